@@ -1,0 +1,390 @@
+# -*- test-case-name: tests.test_attempt -*-
+"""
+One upstream attempt over the shared L{Agent}: header timeout, commit gate,
+first-body timeout, and the commit-versus-cancel claim (spec §5.2, §5.3).
+
+States (one claim decides each exit; the loser of a race is a no-op)::
+
+    WAITING_HEADERS --response--> GATED --first byte / EOF--> COMMITTED --> ENDED
+          |                         |
+          +---- transport error ----+--> FAILED    (retryable, or the final answer)
+          +---- cancel (target lost)+--> CANCELLED
+          +---- abort (client gone)-+--> ABORTED   (also from COMMITTED)
+
+After commit the gate protocol's C{dataReceived} is rebound to the client
+request's C{write}: each relayed chunk costs exactly one call, no parsing, no
+lookups, no Deferreds.  The upstream transport is registered as a streaming
+producer on the client request, so a slow client pauses the upstream read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum, auto
+from typing import Any
+
+from attrs import frozen
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IResponse
+
+from nvproxy.dispatch import (
+    AttemptFailed,
+    Committed,
+    FailureKind,
+    StreamEnd,
+    is_retryable_status,
+)
+from nvproxy.upstream import REQUEST_DROP, body_producer, end_to_end
+
+log = Logger()
+
+
+@frozen
+class UpstreamRequest:
+    """
+    What is sent upstream, the same for every attempt of one job.
+
+    @ivar path: path and query, exactly as the client sent them.
+    @ivar content: the buffered request body (rewound per attempt).
+    """
+
+    method: bytes
+    path: bytes
+    headers: Headers
+    content: Any
+    inference: bool
+
+
+class ClientSide:
+    """
+    The client's half of a proxied exchange: the twisted.web request, guarded
+    against writes after the connection went away.
+    """
+
+    def __init__(
+        self,
+        request: Any,
+        error_body: Callable[[int, str], bytes],
+    ) -> None:
+        self.request = request
+        self.gone = False
+        self._error_body = error_body
+        request.notifyFinish().addErrback(self._lost)
+
+    def _lost(self, reason: Failure) -> None:
+        self.gone = True
+
+    def start(self, status: int, phrase: bytes, headers: Headers) -> None:
+        request = self.request
+        request.setResponseCode(status, phrase or None)
+        out = request.responseHeaders
+        for name in (b"server", b"date", b"content-type"):
+            out.removeHeader(name)
+        for name, values in end_to_end(headers).getAllRawHeaders():
+            out.setRawHeaders(name, list(values))
+
+    def finish(self) -> None:
+        if self.gone or self.request.finished:
+            return
+        self.request.finish()
+
+    def abort(self) -> None:
+        """
+        End a committed response that cannot be completed: closing the
+        connection is the only signal left (DESIGN §7, "Streaming").
+        """
+        if self.gone or self.request.finished:
+            return
+        self.gone = True
+        self.request.loseConnection()
+
+    def reject(self, status: int, message: str, retry_after: int | None = None) -> None:
+        """
+        Answer with a proxy-generated error in the engine's dialect.
+        """
+        if self.gone or self.request.finished:
+            return
+        request = self.request
+        body = self._error_body(status, message)
+        request.setResponseCode(status)
+        request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
+        request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
+        if retry_after is not None:
+            request.responseHeaders.setRawHeaders(
+                b"retry-after", [str(retry_after).encode()]
+            )
+        request.write(body)
+        request.finish()
+
+
+class _State(Enum):
+    WAITING_HEADERS = auto()
+    GATED = auto()
+    COMMITTED = auto()
+    ENDED = auto()
+    FAILED = auto()
+    CANCELLED = auto()
+    ABORTED = auto()
+
+
+# The claims each state can make; anything else is a lost race and a no-op.
+_TRANSITIONS: dict[_State, frozenset[_State]] = {
+    _State.WAITING_HEADERS: frozenset(
+        {_State.GATED, _State.FAILED, _State.CANCELLED, _State.ABORTED}
+    ),
+    _State.GATED: frozenset(
+        {_State.COMMITTED, _State.FAILED, _State.CANCELLED, _State.ABORTED}
+    ),
+    _State.COMMITTED: frozenset({_State.ENDED, _State.ABORTED}),
+    _State.ENDED: frozenset(),
+    _State.FAILED: frozenset(),
+    _State.CANCELLED: frozenset(),
+    _State.ABORTED: frozenset(),
+}
+
+
+class _Gate(Protocol):
+    """
+    Receives the upstream body.  Before commit each call goes to the attempt;
+    at commit C{dataReceived} is rebound to the client's C{write}.
+    """
+
+    def __init__(self, attempt: HttpAttempt) -> None:
+        self._attempt = attempt
+
+    def dataReceived(self, data: bytes) -> None:
+        self._attempt._first_bytes(data)
+
+    def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+        self._attempt._body_ended(reason)
+
+
+class HttpAttempt:
+    """
+    One dispatch to one upstream URL.  Implements L{nvproxy.dispatch.Attempt}.
+    """
+
+    def __init__(
+        self,
+        *,
+        agent: IAgent,
+        clock: IReactorTime,
+        node_id: str,
+        url: bytes,
+        request: UpstreamRequest,
+        client: ClientSide,
+        final: bool,
+        response_timeout: float,
+        cooperator: Any,
+    ) -> None:
+        self.node_id = node_id
+        self.result: Deferred[Committed | AttemptFailed] = Deferred()
+        self._clock = clock
+        self._client = client
+        self._final = final
+        self._inference = request.inference
+        self._timeout = response_timeout
+        self._state = _State.WAITING_HEADERS
+        self._timer: IDelayedCall | None = None
+        self._timed_out = False
+        self._gate: _Gate | None = None
+        self._response: IResponse | None = None
+        self._done: Deferred[StreamEnd] = Deferred()
+        self._producer_registered = False
+        headers = end_to_end(request.headers, REQUEST_DROP)
+        self._pending = agent.request(
+            request.method,
+            url,
+            headers,
+            body_producer(request.content, cooperator),
+        )
+        if response_timeout > 0:
+            self._timer = clock.callLater(response_timeout, self._header_timeout)
+        self._pending.addCallbacks(self._headers, self._dial_failed)
+
+    # -- claims -----------------------------------------------------------
+
+    def _claim(self, new: _State) -> bool:
+        if new in _TRANSITIONS[self._state]:
+            self._state = new
+            return True
+        return False
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+    def _fail(self, kind: FailureKind, status: int | None = None) -> None:
+        self._stop_timer()
+        if not self.result.called:
+            self.result.callback(AttemptFailed(self.node_id, kind, status))
+
+    # -- headers ----------------------------------------------------------
+
+    def _header_timeout(self) -> None:
+        self._timer = None
+        self._timed_out = True
+        self._pending.cancel()
+
+    def _dial_failed(self, reason: Failure) -> None:
+        if self._claim(_State.FAILED):
+            log.debug(
+                "attempt to {node} failed before headers: {error}",
+                node=self.node_id,
+                error=_describe(reason, self._timed_out),
+            )
+            self._fail(FailureKind.TRANSPORT)
+
+    def _headers(self, response: IResponse) -> None:
+        self._pending = Deferred()  # nothing left to cancel at this stage
+        if self._state is not _State.WAITING_HEADERS:
+            _discard(response)
+            return
+        self._stop_timer()
+        status = response.code
+        if not self._final and is_retryable_status(status, self._inference):
+            self._claim(_State.FAILED)
+            _discard(response)
+            self._fail(FailureKind.STATUS, status)
+            return
+        self._claim(_State.GATED)
+        self._response = response
+        if self._timeout > 0:
+            self._timer = self._clock.callLater(self._timeout, self._first_body_timeout)
+        self._gate = _Gate(self)
+        response.deliverBody(self._gate)
+
+    # -- the commit gate --------------------------------------------------
+
+    def _first_body_timeout(self) -> None:
+        self._timer = None
+        if self._claim(_State.FAILED):
+            assert self._response is not None
+            status = self._response.code
+            self._stop_upstream()
+            self._fail(FailureKind.NO_CONTENT, status)
+
+    def _commit(self) -> bool:
+        if not self._claim(_State.COMMITTED):
+            return False
+        self._stop_timer()
+        response = self._response
+        assert response is not None
+        self._client.start(response.code, response.phrase, response.headers)
+        self.result.callback(Committed(self.node_id, response.code, self._done))
+        return True
+
+    def _first_bytes(self, data: bytes) -> None:
+        if not self._commit():
+            return
+        gate = self._gate
+        assert gate is not None
+        client = self._client
+        client.request.write(data)
+        if self._state is _State.COMMITTED and not client.gone:
+            gate.dataReceived = client.request.write  # type: ignore[method-assign]
+            client.request.registerProducer(gate.transport, True)
+            self._producer_registered = True
+
+    def _body_ended(self, reason: Failure) -> None:
+        clean = reason.check(ResponseDone, PotentialDataLoss) is not None
+        if self._state is _State.GATED:
+            if clean:
+                # EOF with no body bytes is a commit (spec §5.2).
+                if self._commit():
+                    self._end(StreamEnd.COMPLETE)
+            elif self._claim(_State.FAILED):
+                self._fail(FailureKind.TRANSPORT)
+            return
+        if self._state is _State.COMMITTED:
+            self._end(StreamEnd.COMPLETE if clean else StreamEnd.TRUNCATED)
+            return
+
+    def _end(self, how: StreamEnd) -> None:
+        self._claim(_State.ENDED)
+        self._unregister()
+        if how is StreamEnd.COMPLETE:
+            self._client.finish()
+        else:
+            log.debug("upstream {node} ended mid-stream", node=self.node_id)
+            self._client.abort()
+        if not self._done.called:
+            self._done.callback(how)
+
+    def _unregister(self) -> None:
+        if self._producer_registered:
+            self._producer_registered = False
+            if not self._client.gone:
+                self._client.request.unregisterProducer()
+
+    def _stop_upstream(self) -> None:
+        gate = self._gate
+        if gate is not None and gate.transport is not None:
+            gate.transport.stopProducing()
+
+    # -- Attempt protocol -------------------------------------------------
+
+    def cancel(self) -> None:
+        """
+        The target left discovery: abandon the attempt unless it committed.
+        """
+        if not self._claim(_State.CANCELLED):
+            return
+        self._stop_timer()
+        self._pending.cancel()
+        self._stop_upstream()
+        self._fail(FailureKind.TARGET_LOST)
+
+    def abort(self) -> None:
+        """
+        The client went away or we are shutting down: tear everything down.
+        """
+        committed = self._state is _State.COMMITTED
+        if not self._claim(_State.ABORTED):
+            return
+        self._stop_timer()
+        self._pending.cancel()
+        self._unregister()
+        self._stop_upstream()
+        if committed:
+            if not self._done.called:
+                self._done.callback(StreamEnd.CLIENT_GONE)
+        elif not self.result.called:
+            self.result.callback(AttemptFailed(self.node_id, FailureKind.TRANSPORT))
+
+
+def _discard(response: IResponse) -> None:
+    """
+    Throw away a response we will not relay; the connection is closed rather
+    than drained, since the body may be long.
+    """
+
+    class _Discard(Protocol):
+        def connectionMade(self) -> None:
+            assert self.transport is not None
+            self.transport.stopProducing()
+
+        def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+            pass
+
+    response.deliverBody(_Discard())
+
+
+def _describe(reason: Failure, timed_out: bool) -> str:
+    if timed_out:
+        return "response header timeout"
+    if reason.check(CancelledError):
+        return "cancelled"
+    value = reason.value
+    inner = getattr(value, "reasons", None)
+    if inner:
+        value = inner[0].value
+    return f"{type(value).__name__}: {value}"[:200]

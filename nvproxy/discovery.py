@@ -1,0 +1,294 @@
+# -*- test-case-name: tests.test_discovery -*-
+"""
+Who advertises which model, as immutable snapshots.
+
+A L{Snapshot} maps engine -> node -> L{NodeEntry}.  Providers publish new
+snapshots; readers take C{discovery.current} once per resolution and never see
+it change under them.  L{PollingDiscovery} is the embedded provider: it polls
+every known endpoint's model list (engine table's C{poll}) on a
+L{LoopingCall} over the injected clock, and a node that fails its poll stops
+advertising until it answers again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+from attrs import field, frozen
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from nvproxy.engines import ENGINES
+
+log = Logger()
+
+NodeKind = Literal["local", "direct", "peer"]
+
+
+@frozen
+class Endpoint:
+    """
+    One engine endpoint of one node, as configured.
+
+    @ivar base_url: where the engine (or, for a peer, its facade) answers.
+    @ivar service: for a vLLM service, its name; C{None} otherwise.
+    """
+
+    node_id: str
+    engine: str
+    kind: NodeKind
+    base_url: str
+    service: str | None = None
+
+
+@frozen
+class NodeEntry:
+    """
+    What one node advertises for one engine.
+
+    @ivar models: normalized model id -> the endpoint serving it.
+    @ivar endpoints: every endpoint of this node for this engine that answered.
+    """
+
+    node_id: str
+    kind: NodeKind
+    models: Mapping[str, Endpoint]
+    endpoints: tuple[Endpoint, ...]
+
+    def advertises(self, model: str) -> bool:
+        return model in self.models
+
+
+def _empty() -> Mapping[str, Mapping[str, NodeEntry]]:
+    return {}
+
+
+@frozen
+class Snapshot:
+    """
+    An immutable view of the cluster's inventory.
+    """
+
+    generation: int = 0
+    engines: Mapping[str, Mapping[str, NodeEntry]] = field(factory=_empty)
+
+    def nodes(self, engine: str) -> tuple[NodeEntry, ...]:
+        """
+        Every node answering for C{engine}: local first, then by node id.
+        """
+        entries = self.engines.get(engine, {})
+        return tuple(sorted(entries.values(), key=_node_order))
+
+    def owners(self, engine: str, model: str) -> tuple[NodeEntry, ...]:
+        """
+        The nodes advertising C{model} (already normalized) for C{engine}, in
+        the deterministic default order.
+        """
+        return tuple(e for e in self.nodes(engine) if e.advertises(model))
+
+    def node(self, engine: str, node_id: str) -> NodeEntry | None:
+        return self.engines.get(engine, {}).get(node_id)
+
+
+def _node_order(entry: NodeEntry) -> tuple[int, str]:
+    return (0 if entry.kind == "local" else 1, entry.node_id)
+
+
+Unsubscribe = Callable[[], None]
+
+
+class Discovery:
+    """
+    Holds the current snapshot and tells subscribers when it changes.
+    """
+
+    def __init__(self) -> None:
+        self.current = Snapshot()
+        self._subscribers: list[Callable[[Snapshot], None]] = []
+
+    def publish(self, engines: Mapping[str, Mapping[str, NodeEntry]]) -> None:
+        """
+        Replace the snapshot when C{engines} differs from the current one.
+        """
+        if engines == self.current.engines:
+            return
+        self.current = Snapshot(self.current.generation + 1, engines)
+        for subscriber in list(self._subscribers):
+            try:
+                subscriber(self.current)
+            except Exception:
+                log.failure("discovery subscriber failed")
+
+    def subscribe(self, subscriber: Callable[[Snapshot], None]) -> Unsubscribe:
+        self._subscribers.append(subscriber)
+
+        def unsubscribe() -> None:
+            if subscriber in self._subscribers:
+                self._subscribers.remove(subscriber)
+
+        return unsubscribe
+
+
+class InventoryClient:
+    """
+    What polling needs from HTTP: GET a URL, answer the decoded JSON.
+
+    The composition root passes a treq-backed implementation on the shared
+    pool; tests pass a dictionary-backed fake.
+    """
+
+    def get_json(self, url: str, timeout: float) -> Deferred[Any]:
+        raise NotImplementedError
+
+
+class PollingDiscovery(Service):
+    """
+    Polls every endpoint's model list every C{interval} seconds.
+    """
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        client: InventoryClient,
+        clock: IReactorTime,
+        endpoints: Iterable[Endpoint],
+        interval: float = 2.0,
+        static_models: Mapping[Endpoint, Sequence[str]] | None = None,
+    ) -> None:
+        self.discovery = discovery
+        self._client = client
+        self._clock = clock
+        self._interval = interval
+        self._endpoints: tuple[Endpoint, ...] = tuple(endpoints)
+        self._static = dict(static_models or {})
+        self._answers: dict[Endpoint, frozenset[str]] = {}
+        self._inflight: dict[Endpoint, Deferred[None]] = {}
+        self._waiters: dict[Endpoint, list[Deferred[None]]] = {}
+        self._loop = LoopingCall(self.poll)
+        self._loop.clock = clock
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        """
+        Replace the polled endpoints (a peer joined or left); forgotten
+        endpoints stop advertising at once.
+        """
+        self._endpoints = tuple(endpoints)
+        known = set(self._endpoints)
+        for gone in [e for e in self._answers if e not in known]:
+            del self._answers[gone]
+        for gone in [e for e in self._inflight if e not in known]:
+            self._inflight.pop(gone).cancel()
+        self._publish()
+
+    def startService(self) -> None:
+        super().startService()
+        self._loop.start(self._interval, now=True)
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()
+        if self._loop.running:
+            self._loop.stop()
+        for d in list(self._inflight.values()):
+            d.cancel()
+        return None
+
+    def poll(self) -> Deferred[Any]:
+        """
+        Poll every endpoint not already being polled; publish once all answer.
+        """
+        round_: list[Deferred[None]] = []
+        for endpoint in self._endpoints:
+            if endpoint in self._inflight:
+                # Already being polled: wait for that answer, don't ask twice.
+                waiter: Deferred[None] = Deferred()
+                self._waiters.setdefault(endpoint, []).append(waiter)
+                round_.append(waiter)
+                continue
+            d = self._poll_one(endpoint)
+            if not d.called:
+                self._inflight[endpoint] = d
+            round_.append(d)
+        done: Deferred[Any] = DeferredList(round_, consumeErrors=True)
+        done.addCallback(lambda _: self._publish())
+        return done
+
+    def _poll_one(self, endpoint: Endpoint) -> Deferred[None]:
+        engine = ENGINES[endpoint.engine]
+        if endpoint in self._static:
+            models = frozenset(
+                engine.normalize_model(m) for m in self._static[endpoint]
+            )
+            self._answers[endpoint] = models
+            return Deferred.fromCoroutine(_noop())
+        url = endpoint.base_url.rstrip("/") + engine.poll.path
+        # A poll may take at most one interval (and at least a second) so a
+        # dead node stops advertising within about two intervals.
+        timeout = max(self._interval, 1.0)
+
+        def answered(body: Any) -> None:
+            models = frozenset(engine.normalize_model(m) for m in engine.poll.ids(body))
+            if self._answers.get(endpoint) is None:
+                log.info(
+                    "{engine} node {node} answers at {url} with {count} models",
+                    engine=endpoint.engine,
+                    node=endpoint.node_id,
+                    url=endpoint.base_url,
+                    count=len(models),
+                )
+            self._answers[endpoint] = models
+
+        def failed(reason: Any) -> None:
+            if self._answers.pop(endpoint, None) is not None:
+                log.warn(
+                    "{engine} node {node} stopped answering its model list: {error}",
+                    engine=endpoint.engine,
+                    node=endpoint.node_id,
+                    error=_short(reason),
+                )
+
+        def settled(_: object) -> None:
+            self._inflight.pop(endpoint, None)
+            for waiter in self._waiters.pop(endpoint, []):
+                waiter.callback(None)
+
+        d = self._client.get_json(url, timeout)
+        d.addCallbacks(answered, failed)
+        d.addBoth(settled)
+        return d
+
+    def _publish(self) -> None:
+        engines: dict[str, dict[str, NodeEntry]] = {}
+        grouped: dict[tuple[str, str], list[Endpoint]] = {}
+        for endpoint in self._endpoints:
+            if endpoint in self._answers:
+                grouped.setdefault((endpoint.engine, endpoint.node_id), []).append(
+                    endpoint
+                )
+        for (engine_id, node_id), endpoints in grouped.items():
+            models: dict[str, Endpoint] = {}
+            for endpoint in endpoints:
+                for model in sorted(self._answers[endpoint]):
+                    models.setdefault(model, endpoint)
+            engines.setdefault(engine_id, {})[node_id] = NodeEntry(
+                node_id, endpoints[0].kind, models, tuple(endpoints)
+            )
+        self.discovery.publish(engines)
+
+
+async def _noop() -> None:
+    return None
+
+
+def _short(reason: Any) -> str:
+    value = getattr(reason, "value", reason)
+    text = f"{type(value).__name__}: {value}"
+    return text[:200]
+
+
+def decode_json(body: bytes) -> Any:
+    return json.loads(body)

@@ -1,0 +1,346 @@
+# -*- test-case-name: tests.test_facade -*-
+"""
+An engine facade: a Klein app that speaks one engine's HTTP dialect.
+
+Every request is classified by the engine's route table (L{nvproxy.engines}):
+
+* inference: the model comes from the JSON body or a multipart C{model}
+  field, is normalized, and the request is handed to the L{Dispatcher} with
+  a resolver over the live discovery snapshot;
+* inventory: every node answering for the engine is asked concurrently and
+  the lists are merged into the engine's own envelope;
+* anything else: forwarded verbatim, candidates resolved once, each tried at
+  most once (spec §5.1).
+
+Errors the proxy itself produces use the engine's error dialect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import treq
+from klein import Klein
+from twisted.internet.defer import CancelledError, Deferred, gatherResults
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IAgent
+
+from nvproxy.attempt import ClientSide, HttpAttempt, UpstreamRequest
+from nvproxy.bodies import BadBody, media_type, model_from_json, model_from_multipart
+from nvproxy.discovery import Discovery, Endpoint, NodeEntry
+from nvproxy.dispatch import (
+    Dispatcher,
+    JobObserver,
+    JobOutcome,
+    RejectReason,
+    Target,
+)
+from nvproxy.engines import Engine, RouteKind
+
+log = Logger()
+
+
+class ObserverFactory(Protocol):
+    def __call__(
+        self, engine: Engine, model: str | None, kind: RouteKind
+    ) -> JobObserver | None: ...
+
+
+class HttpTarget:
+    """
+    A dispatch target reached over HTTP at C{url} (a local engine, a direct
+    node's engine, or a peer's facade).
+    """
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        url: bytes,
+        agent: IAgent,
+        clock: IReactorTime,
+        request: UpstreamRequest,
+        client: ClientSide,
+        response_timeout: float,
+        cooperator: Any,
+    ) -> None:
+        self.node_id = node_id
+        self._url = url
+        self._agent = agent
+        self._clock = clock
+        self._request = request
+        self._client = client
+        self._timeout = response_timeout
+        self._cooperator = cooperator
+
+    def start(self, final: bool) -> HttpAttempt:
+        return HttpAttempt(
+            agent=self._agent,
+            clock=self._clock,
+            node_id=self.node_id,
+            url=self._url,
+            request=self._request,
+            client=self._client,
+            final=final,
+            response_timeout=self._timeout,
+            cooperator=self._cooperator,
+        )
+
+
+class _Sink:
+    """
+    L{nvproxy.dispatch.ClientSink}: turns a reject reason into the engine's
+    error body.
+    """
+
+    def __init__(self, client: ClientSide, model: str | None) -> None:
+        self._client = client
+        self._model = model
+
+    def reject(self, status: int, reason: RejectReason, retry_after: int | None) -> None:
+        message = reason.message
+        if self._model is not None:
+            message = f"{message} (model {self._model!r})"
+        self._client.reject(status, message, retry_after)
+
+
+class Facade:
+    """
+    The facade of one engine.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        discovery: Discovery,
+        dispatcher: Dispatcher,
+        agent: IAgent,
+        control: Any,
+        clock: IReactorTime,
+        response_timeout: float,
+        cooperator: Any,
+        observers: ObserverFactory | None = None,
+        hidden: Callable[[bytes], bool] | None = None,
+        order: Callable[[Engine, str | None, Sequence[NodeEntry]], Sequence[NodeEntry]]
+        | None = None,
+    ) -> None:
+        self.engine = engine
+        self._discovery = discovery
+        self._dispatcher = dispatcher
+        self._agent = agent
+        self._control = control
+        self._clock = clock
+        self._timeout = response_timeout
+        self._cooperator = cooperator
+        self._observers = observers
+        self._hidden = hidden
+        self._order = order
+        app = Klein()
+        # Paths reach the facade exactly as sent: no slash merging or
+        # redirects, the upstream decides what a path means.
+        app.url_map.merge_slashes = False
+        app.url_map.strict_slashes = False
+        app.route("/", branch=True)(self._handle)
+        app.handle_errors(Exception)(self._internal_error)
+        self.app = app
+
+    def resource(self) -> Any:
+        return self.app.resource()
+
+    # -- entry ------------------------------------------------------------
+
+    def _handle(self, request: Any) -> Any:
+        try:
+            return self._route(request)
+        except Exception:
+            # §3.2: a bug handling one request answers that request only.
+            log.failure(
+                "{engine} facade failed handling {method} {path}",
+                engine=self.engine.id,
+                method=request.method.decode("latin-1"),
+                path=request.path.decode("latin-1")[:200],
+            )
+            self._answer_error(request, 500, "internal proxy error")
+            return None
+
+    def _internal_error(self, request: Any, failure: Failure) -> Any:
+        if failure.check(CancelledError):
+            return None
+        log.failure(
+            "{engine} facade failed handling {method} {path}",
+            failure=failure,
+            engine=self.engine.id,
+            method=request.method.decode("latin-1"),
+            path=request.path.decode("latin-1")[:200],
+        )
+        if not request.startedWriting:
+            self._answer_error(request, 500, "internal proxy error")
+        return None
+
+    def _answer_error(self, request: Any, status: int, message: str) -> None:
+        if request.finished or request.startedWriting:
+            return
+        ClientSide(request, self._error_body).reject(status, message)
+
+    def _error_body(self, status: int, message: str) -> bytes:
+        return self.engine.error_body(status, message)
+
+    def _route(self, request: Any) -> Any:
+        path: bytes = request.path
+        if self._hidden is not None and self._hidden(path):
+            self._answer_error(request, 404, "not found")
+            return None
+        text = path.decode("utf-8", "replace")
+        kind = self.engine.classify(request.method, text)
+        if kind is RouteKind.INVENTORY:
+            return self._inventory(request, text)
+        client = ClientSide(request, self._error_body)
+        model: str | None = None
+        if kind is RouteKind.INFERENCE:
+            try:
+                model = self._model(request)
+            except BadBody as e:
+                client.reject(400, str(e))
+                return None
+            if model is None or not model:
+                client.reject(400, "model is required")
+                return None
+            model = self.engine.normalize_model(model)
+        upstream = UpstreamRequest(
+            method=request.method,
+            path=request.uri,
+            headers=request.requestHeaders,
+            content=request.content,
+            inference=kind is RouteKind.INFERENCE,
+        )
+        resolver = self._resolver(model, upstream, client)
+        if kind is not RouteKind.INFERENCE:
+            # Non-inference requests resolve candidates exactly once (§5.1).
+            once = list(resolver())
+            resolver = lambda: once  # noqa: E731
+        observer = (
+            self._observers(self.engine, model, kind) if self._observers else None
+        )
+        log.debug(
+            "{engine} {kind} {method} {path} model={model}",
+            engine=self.engine.id,
+            kind=kind.value,
+            method=request.method.decode("latin-1"),
+            path=text[:200],
+            model=model,
+        )
+        d = self._dispatcher.dispatch(
+            resolver,
+            _Sink(client, model),
+            inference=kind is RouteKind.INFERENCE,
+            observer=observer,
+            subscribe=self._subscribe,
+        )
+        d.addErrback(_cancelled_is_fine)
+        return d
+
+    def _subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        return self._discovery.subscribe(lambda _snapshot: callback())
+
+    def _model(self, request: Any) -> str | None:
+        kind, params = media_type(request.getHeader(b"content-type"))
+        if kind == "multipart/form-data":
+            return model_from_multipart(request.content, params.get("boundary", ""))
+        return model_from_json(request.content)
+
+    def _resolver(
+        self, model: str | None, upstream: UpstreamRequest, client: ClientSide
+    ) -> Callable[[], Sequence[Target]]:
+        engine = self.engine
+
+        def resolve() -> Sequence[Target]:
+            snapshot = self._discovery.current
+            if model is not None:
+                entries: Sequence[NodeEntry] = snapshot.owners(engine.id, model)
+            else:
+                entries = snapshot.nodes(engine.id)
+            if self._order is not None:
+                entries = self._order(engine, model, entries)
+            targets: list[Target] = []
+            for entry in entries:
+                endpoint = (
+                    entry.models[model] if model is not None else entry.endpoints[0]
+                )
+                targets.append(self._target(endpoint, upstream, client))
+            return targets
+
+        return resolve
+
+    def _target(
+        self, endpoint: Endpoint, upstream: UpstreamRequest, client: ClientSide
+    ) -> Target:
+        url = endpoint.base_url.rstrip("/").encode("ascii") + upstream.path
+        return HttpTarget(
+            node_id=endpoint.node_id,
+            url=url,
+            agent=self._agent,
+            clock=self._clock,
+            request=upstream,
+            client=client,
+            response_timeout=self._timeout,
+            cooperator=self._cooperator,
+        )
+
+    # -- inventory --------------------------------------------------------
+
+    def _inventory(self, request: Any, path: str) -> Deferred[None]:
+        listing = self.engine.inventory[path]
+        endpoints = [
+            endpoint
+            for entry in self._discovery.current.nodes(self.engine.id)
+            for endpoint in entry.endpoints
+        ]
+
+        async def ask(endpoint: Endpoint) -> object:
+            url = endpoint.base_url.rstrip("/") + listing.path
+            try:
+                d = self._control.get(url, headers={"Accept": ["application/json"]})
+                d.addTimeout(10, self._clock)
+                response = await d
+                body = await treq.content(response)
+                if response.code != 200:
+                    return None
+                return json.loads(body)
+            except CancelledError:
+                raise
+            except Exception as e:
+                log.debug(
+                    "{engine} inventory from {node} failed: {error}",
+                    engine=self.engine.id,
+                    node=endpoint.node_id,
+                    error=f"{type(e).__name__}",
+                )
+                return None
+
+        async def merge() -> None:
+            answers = await gatherResults(
+                [Deferred.fromCoroutine(ask(e)) for e in endpoints],
+                consumeErrors=True,
+            )
+            body = json.dumps(listing.merge(answers)).encode()
+            if request.finished:
+                return
+            request.setResponseCode(200)
+            request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
+            request.responseHeaders.setRawHeaders(
+                b"content-length", [b"%d" % len(body)]
+            )
+            request.write(body)
+            request.finish()
+
+        return Deferred.fromCoroutine(merge())
+
+
+def _cancelled_is_fine(failure: Failure) -> JobOutcome | None:
+    failure.trap(CancelledError)
+    return None

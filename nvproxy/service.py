@@ -1,0 +1,358 @@
+# -*- test-case-name: tests.test_service -*-
+"""
+The composition root: builds every part of nvproxy from a L{Config} and
+wires them together.  It is the only module that imports the global reactor
+(and only inside L{makeService}, so tests pass their own).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory
+from twisted.logger import Logger
+from twisted.python import usage
+from twisted.python.failure import Failure
+
+from nvproxy import config as _config
+from nvproxy.admin import AdminError, admin_app
+from nvproxy.config import Config, EngineConfig, resolve_node_id
+from nvproxy.discovery import Discovery, Endpoint, NodeEntry, PollingDiscovery
+from nvproxy.dispatch import DispatchPolicy, Dispatcher
+from nvproxy.engines import ENGINES, Engine
+from nvproxy.facade import Facade
+from nvproxy.logs import json_observer
+from nvproxy.ports import PortStore, effective_port
+from nvproxy.site import FacadeSite
+from nvproxy.upstream import TreqInventoryClient, Upstream
+
+log = Logger()
+
+
+class Options(_config.Options):
+    """
+    twistd options; C{--log-format json} also switches twistd's own log
+    observer, which must be chosen while options are parsed (twistd starts
+    logging before it calls L{makeService}'s result).
+    """
+
+    def postOptions(self) -> None:
+        super().postOptions()
+        parent = getattr(self, "parent", None)
+        if self.config.log_format == "json" and parent is not None:
+            parent["logger"] = json_observer
+
+
+def _server_endpoint(reactor: Any, interface: str, port: int) -> Any:
+    if ":" in interface:
+        return TCP6ServerEndpoint(reactor, port, interface=interface)
+    return TCP4ServerEndpoint(reactor, port, interface=interface)
+
+
+class PortListener(Service):
+    """
+    One listening port whose failure to bind is logged and contained: the
+    other facades keep running (spec §3.2).
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        label: str,
+        interface: str,
+        port: int,
+        factory: IProtocolFactory,
+    ) -> None:
+        self._reactor = reactor
+        self.label = label
+        self.interface = interface
+        self.port = port
+        self._factory = factory
+        self.listening: IListeningPort | None = None
+        self.error: str | None = None
+        self.ready: Deferred[bool] = Deferred()
+
+    def startService(self) -> None:
+        super().startService()
+        self._listen()
+
+    def _listen(self) -> None:
+        endpoint = _server_endpoint(self._reactor, self.interface, self.port)
+        d = endpoint.listen(self._factory)
+        d.addCallbacks(self._listening, self._failed)
+
+    def _listening(self, port: IListeningPort) -> None:
+        self.listening = port
+        self.error = None
+        log.info(
+            "{label} listening on {interface}:{port}",
+            label=self.label,
+            interface=self.interface,
+            port=port.getHost().port,
+        )
+        if not self.ready.called:
+            self.ready.callback(True)
+
+    def _failed(self, reason: Failure) -> None:
+        self.error = str(reason.value)
+        log.error(
+            "{label} cannot listen on {interface}:{port}: {error}",
+            label=self.label,
+            interface=self.interface,
+            port=self.port,
+            error=self.error,
+        )
+        if not self.ready.called:
+            self.ready.callback(False)
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()
+        port, self.listening = self.listening, None
+        if port is not None:
+            return port.stopListening()  # type: ignore[no-any-return]
+        return None
+
+    def move(self, port: int) -> Deferred[None]:
+        """
+        Listen on C{port} instead; the old port is released only once the
+        new one is bound, so a failed move leaves the facade where it was.
+        """
+        endpoint = _server_endpoint(self._reactor, self.interface, port)
+
+        async def move() -> None:
+            new = await endpoint.listen(self._factory)
+            old, self.listening = self.listening, new
+            self.port = port
+            self.error = None
+            log.info("{label} moved to port {port}", label=self.label, port=port)
+            if old is not None:
+                await old.stopListening()
+
+        return Deferred.fromCoroutine(move())
+
+    def bound_port(self) -> int | None:
+        if self.listening is None:
+            return None
+        return int(self.listening.getHost().port)
+
+
+def local_endpoints(config: Config, node_id: str) -> list[Endpoint]:
+    """
+    This node's engine endpoints, and every direct node's.
+    """
+    endpoints = []
+    for engine_config in config.engines.values():
+        if not engine_config.enabled:
+            continue
+        if engine_config.id == "vllm" and engine_config.services:
+            for service in engine_config.services:
+                endpoints.append(
+                    Endpoint(node_id, "vllm", "local", service.url, service.name)
+                )
+        else:
+            endpoints.append(
+                Endpoint(node_id, engine_config.id, "local", engine_config.backend)
+            )
+    for node in config.nodes:
+        for engine_id, url in node.engines.items():
+            if config.engines[engine_id].enabled:
+                endpoints.append(Endpoint(node.id, engine_id, "direct", url))
+    return endpoints
+
+
+class NvProxy(MultiService):
+    """
+    The whole daemon.  Also the admin API's backend.
+    """
+
+    def __init__(self, config: Config, reactor: Any, node_id: str) -> None:
+        super().__init__()
+        self.config = config
+        self.reactor = reactor
+        self.node_id = node_id
+        self.pins: dict[str, str] = {}
+        self.ports = PortStore(config.state_dir)
+        self.registry = CollectorRegistry()
+        self.upstream = Upstream(reactor, config.dispatch.dial_timeout)
+        self.discovery = Discovery()
+        self.polling = PollingDiscovery(
+            self.discovery,
+            TreqInventoryClient(self.upstream.treq, reactor),
+            reactor,
+            local_endpoints(config, node_id),
+            interval=config.discovery_poll_interval,
+        )
+        self.polling.setServiceParent(self)
+        dispatch = config.dispatch
+        self.dispatcher = Dispatcher(
+            reactor,
+            DispatchPolicy(
+                max_attempts=dispatch.max_attempts,
+                deadline=dispatch.deadline,
+                backoff=dispatch.backoff,
+            ),
+            random=random.Random().random,
+        )
+        self.facades: dict[str, Facade] = {}
+        self.listeners: dict[str, PortListener] = {}
+        for engine_config in config.engines.values():
+            if engine_config.enabled:
+                self._add_facade(engine_config)
+        if config.admin_enabled:
+            host, port = config.admin_listen
+            admin = admin_app(self, self.registry)
+            site = _plain_site(admin.resource(), reactor)
+            self.admin = PortListener(reactor, "admin API", host, port, site)
+            self.admin.setServiceParent(self)
+
+    def _add_facade(self, engine_config: EngineConfig) -> None:
+        engine = ENGINES[engine_config.id]
+        facade = Facade(
+            engine=engine,
+            discovery=self.discovery,
+            dispatcher=self.dispatcher,
+            agent=self.upstream.agent,
+            control=self.upstream.treq,
+            clock=self.reactor,
+            response_timeout=self.config.dispatch.response_header_timeout,
+            cooperator=self.upstream.cooperator,
+            order=self._order,
+        )
+        limits = self.config.limits
+        site = FacadeSite(
+            facade.resource(),
+            error_body=engine.error_body,
+            max_body=limits.max_body,
+            max_connections=limits.max_connections,
+            header_timeout=limits.header_timeout,
+            reactor=self.reactor,
+        )
+        port = effective_port(engine_config, self.ports)
+        listener = PortListener(
+            self.reactor,
+            f"{engine.name} facade",
+            self.config.listen_interface,
+            port,
+            site,
+        )
+        listener.setServiceParent(self)
+        self.facades[engine.id] = facade
+        self.listeners[engine.id] = listener
+
+    def _order(
+        self, engine: Engine, model: str | None, entries: Sequence[NodeEntry]
+    ) -> Sequence[NodeEntry]:
+        pin = self.pins.get(engine.id)
+        if pin is None:
+            return entries
+        # An eligible pin goes first; an ineligible one changes nothing (§5).
+        pinned = [e for e in entries if e.node_id == pin]
+        return pinned + [e for e in entries if e.node_id != pin]
+
+    def stopService(self) -> Deferred[Any]:
+        self.dispatcher.shutdown()
+        d = super().stopService()
+        stopped: Deferred[Any] = d if isinstance(d, Deferred) else succeed(None)
+        stopped.addBoth(lambda _: self.upstream.close())
+        return stopped
+
+    def ready(self) -> Deferred[Any]:
+        """
+        Fires once every listener has tried to bind.
+        """
+        listeners = list(self.listeners.values())
+        if self.config.admin_enabled:
+            listeners.append(self.admin)
+        return DeferredList([listener.ready for listener in listeners])
+
+    # -- AdminBackend -----------------------------------------------------
+
+    def status(self) -> Mapping[str, Any]:
+        snapshot = self.discovery.current
+        facades = []
+        for engine_id, listener in self.listeners.items():
+            facades.append(
+                {
+                    "engine": engine_id,
+                    "port": listener.bound_port() or listener.port,
+                    "listening": listener.listening is not None,
+                    "error": listener.error,
+                    "selected": self.pins.get(engine_id),
+                }
+            )
+        nodes: dict[str, dict[str, list[str]]] = {}
+        for engine_id, entries in snapshot.engines.items():
+            for node_id, entry in entries.items():
+                nodes.setdefault(node_id, {})[engine_id] = sorted(entry.models)
+        return {
+            "node_id": self.node_id,
+            "facades": facades,
+            "nodes": nodes,
+            "inflight": self.dispatcher.inflight(),
+            "generation": snapshot.generation,
+        }
+
+    def set_port(self, engine: str, port: int) -> Deferred[Mapping[str, Any]]:
+        return Deferred.fromCoroutine(self._set_port(engine, port))
+
+    async def _set_port(self, engine: str, port: int) -> Mapping[str, Any]:
+        listener = self.listeners.get(engine)
+        if listener is None:
+            raise AdminError(404, f"engine {engine!r} is not enabled")
+        try:
+            await listener.move(port)
+        except Exception as e:
+            raise AdminError(409, f"cannot listen on port {port}: {e}") from None
+        self.ports.set(engine, port)
+        return {"engine": engine, "port": port, "persisted": True}
+
+    def select(self, engine: str, node: str | None) -> Mapping[str, Any]:
+        if engine not in self.facades:
+            raise AdminError(404, f"engine {engine!r} is not enabled")
+        if node is None:
+            self.pins.pop(engine, None)
+        else:
+            self.pins[engine] = node
+        return {"engine": engine, "selected": node}
+
+    def workloads(self, limit: int) -> list[Any]:
+        return []
+
+
+def _plain_site(resource: Any, reactor: Any) -> IProtocolFactory:
+    from twisted.web.server import Site
+
+    site = Site(resource, reactor=reactor)
+    site.displayTracebacks = False
+    return site
+
+
+def build(config: Config, reactor: Any, hostname: str | None = None) -> NvProxy:
+    """
+    Build the daemon for C{config} on C{reactor}.
+    """
+    node_id = resolve_node_id(config, hostname or socket.gethostname())
+    return NvProxy(config, reactor, node_id)
+
+
+def makeService(options: usage.Options) -> NvProxy:
+    """
+    The twistd entry point.
+    """
+    from twisted.internet import reactor
+
+    assert isinstance(options, Options)
+    service = build(options.config, reactor)
+    log.info(
+        "nvproxy node {node} starting with engines {engines}",
+        node=service.node_id,
+        engines=",".join(service.facades),
+    )
+    return service

@@ -1,0 +1,208 @@
+# -*- test-case-name: tests.test_forwarding -*-
+"""
+The one shared upstream HTTP stack: a persistent connection pool sized for a
+proxy, an L{Agent} for the data path, treq on the same pool for control calls
+(DESIGN §1), header hygiene and request-body producers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import IO, Any
+
+import treq
+from treq.client import HTTPClient
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import (
+    IConsumer,
+    IOpenSSLClientConnectionCreator,
+    IStreamClientEndpoint,
+)
+from twisted.internet.ssl import optionsForClientTLS
+from twisted.internet.task import Cooperator
+from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool
+from twisted.web.client import _HTTP11ClientFactory
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, UNKNOWN_LENGTH
+from zope.interface import implementer
+
+# RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+
+def end_to_end(headers: Headers, drop: frozenset[bytes] = frozenset()) -> Headers:
+    """
+    A copy of C{headers} without hop-by-hop headers (including those the
+    C{Connection} header names) and without C{drop}.
+    """
+    listed = set(HOP_BY_HOP) | drop
+    for value in headers.getRawHeaders(b"connection", []):
+        for token in value.split(b","):
+            token = token.strip().lower()
+            if token:
+                listed.add(token)
+    out = Headers()
+    for name, values in headers.getAllRawHeaders():
+        if name.lower() not in listed:
+            out.setRawHeaders(name, list(values))
+    return out
+
+
+# Headers the Agent computes for the upstream request itself.
+REQUEST_DROP = frozenset({b"host", b"content-length"})
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """
+    A request body that is already in memory: written in one call.
+    """
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self._body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+IN_MEMORY_LIMIT = 1 << 20
+
+
+def body_producer(content: IO[bytes], cooperator: Cooperator) -> IBodyProducer | None:
+    """
+    A fresh producer for a buffered request body, or C{None} when it is empty.
+
+    Small bodies are sent in one write; larger ones (twisted.web spools them to
+    a temporary file) are streamed from the file with backpressure, so a retry
+    re-reads the file rather than holding a second copy.
+    """
+    content.seek(0, os.SEEK_END)
+    size = content.tell()
+    content.seek(0)
+    if size == 0:
+        return None
+    if size <= IN_MEMORY_LIMIT:
+        data = content.read()
+        content.seek(0)
+        return BytesProducer(data)
+    producer = FileBodyProducer(content, cooperator=cooperator)
+    if producer.length is UNKNOWN_LENGTH:
+        producer.length = size
+    return producer
+
+
+@implementer(IAgentEndpointFactory)
+class EndpointFactory:
+    """
+    Dials upstreams with the dial timeout and no happy-eyeballs delay, so a
+    refused connection fails over at once (DESIGN §7, "Pool").
+
+    @ivar tls_for: maps C{(host, port)} of an https URL to the connection
+        creator to use (pinned peer mTLS); C{None} means ordinary
+        certificate verification against the system roots.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        dial_timeout: float,
+        tls_for: Callable[[str, int], IOpenSSLClientConnectionCreator | None]
+        | None = None,
+    ) -> None:
+        self._reactor = reactor
+        self._timeout = dial_timeout if dial_timeout > 0 else 30.0
+        self._tls_for = tls_for
+
+    def endpointForURI(self, uri: Any) -> IStreamClientEndpoint:
+        host = uri.host.decode("ascii")
+        port = int(uri.port)
+        endpoint: IStreamClientEndpoint = HostnameEndpoint(
+            self._reactor, host, port, timeout=self._timeout, attemptDelay=0
+        )
+        if uri.scheme == b"https":
+            creator = self._tls_for(host, port) if self._tls_for else None
+            if creator is None:
+                creator = optionsForClientTLS(host)
+            endpoint = wrapClientTLS(creator, endpoint)
+        return endpoint
+
+
+class _QuietClientFactory(_HTTP11ClientFactory):
+    # One factory per upstream connection: logging each start/stop at info
+    # would flood the log with every poll.
+    noisy = False
+
+
+class Upstream:
+    """
+    The shared pool, the data-path agent and the control-path treq client.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        dial_timeout: float,
+        tls_for: Callable[[str, int], IOpenSSLClientConnectionCreator | None]
+        | None = None,
+        max_per_host: int = 256,
+    ) -> None:
+        self.pool = HTTPConnectionPool(reactor, persistent=True)
+        self.pool.maxPersistentPerHost = max_per_host
+        self.pool.cachedConnectionTimeout = 120
+        self.pool._factory = _QuietClientFactory
+        self.agent = Agent.usingEndpointFactory(
+            reactor, EndpointFactory(reactor, dial_timeout, tls_for), self.pool
+        )
+        self.treq = HTTPClient(self.agent)
+        self.cooperator = Cooperator(scheduler=lambda f: reactor.callLater(0, f))
+
+    def close(self) -> Deferred[None]:
+        return self.pool.closeCachedConnections()
+
+
+class TreqInventoryClient:
+    """
+    L{nvproxy.discovery.InventoryClient} over treq on the shared pool.
+    """
+
+    def __init__(self, client: HTTPClient, clock: Any) -> None:
+        self._client = client
+        self._clock = clock
+
+    def get_json(self, url: str, timeout: float) -> Deferred[Any]:
+        async def get() -> Any:
+            response = await self._client.get(url, headers={"Accept": ["application/json"]})
+            if response.code != 200:
+                await treq.content(response)
+                raise ValueError(f"HTTP {response.code}")
+            return await treq.json_content(response)
+
+        d = Deferred.fromCoroutine(get())
+        d.addTimeout(timeout, self._clock)
+        return d

@@ -1,0 +1,402 @@
+"""
+Integration tests on loopback: a real nvproxy in-process, real sockets, fake
+engines with scripted behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import deferLater
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IResponse
+
+from nvproxy.service import NvProxy
+from nvproxy.testing.fakeengine import Behaviour, FakeEngine
+from nvproxy.testing.harness import (
+    Client,
+    facade_url,
+    free_port,
+    proxy_config,
+    start_proxy,
+)
+
+
+class ProxyTestCase(TestCase):
+    """
+    Helpers to start fake engines and nvproxy, torn down after each test.
+    """
+
+    timeout = 30
+
+    def setUp(self) -> None:
+        self.client = Client(reactor)
+        self.addCleanup(self.client.close)
+
+    async def engine(self, dialect: str, models: list[str]) -> FakeEngine:
+        fake = FakeEngine(dialect, models, reactor)  # type: ignore[arg-type]
+        await fake.listen(reactor)
+        self.addCleanup(fake.stop)
+        return fake
+
+    async def proxy(self, backends: dict[str, str], **kwargs: Any) -> NvProxy:
+        config = proxy_config(self.mktemp(), backends, **kwargs)
+        proxy = await start_proxy(reactor, config)
+        self.addCleanup(proxy.stopService)
+        return proxy
+
+    async def post(
+        self, url: str, body: object, headers: dict[str, list[str]] | None = None
+    ) -> tuple[int, Any, bytes]:
+        return await self.client.request(
+            "POST",
+            url,
+            data=json.dumps(body).encode(),
+            headers=headers or {"Content-Type": ["application/json"]},
+        )
+
+
+class _Collect(Protocol):
+    def __init__(self, chunks: list[bytes], done: Deferred[None]) -> None:
+        self.chunks = chunks
+        self.done = done
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def connectionLost(self, reason: Any = None) -> None:
+        if reason is not None and not reason.check(ResponseDone):
+            self.done.errback(reason)
+        else:
+            self.done.callback(None)
+
+
+class ForwardingTests(ProxyTestCase):
+    async def test_ollama_streaming(self) -> None:
+        """
+        An Ollama streaming request passes through chunk by chunk, intact.
+        """
+        fake = await self.engine("ollama", ["llama3:latest"])
+        fake.default = Behaviour(chunks=20)
+        proxy = await self.proxy({"ollama": fake.url})
+        code, headers, body = await self.post(
+            facade_url(proxy, "ollama") + "/api/generate",
+            {"model": "llama3", "prompt": "hello"},
+        )
+        self.assertEqual(code, 200)
+        lines = [json.loads(line) for line in body.splitlines()]
+        self.assertEqual(len(lines), 21)
+        self.assertTrue(lines[-1]["done"])
+        self.assertEqual(lines[-1]["eval_count"], 20)
+        # The engine saw the request as sent, model name untouched.
+        self.assertEqual(fake.requests[-1].json()["model"], "llama3")
+
+    async def test_openai_non_streaming(self) -> None:
+        fake = await self.engine("openai", ["qwen"])
+        proxy = await self.proxy({"lmstudio": fake.url})
+        code, headers, body = await self.post(
+            facade_url(proxy, "lmstudio") + "/v1/chat/completions",
+            {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        self.assertEqual(code, 200)
+        answer = json.loads(body)
+        self.assertEqual(answer["object"], "chat.completion")
+        self.assertIn("usage", answer)
+
+    async def test_openai_streaming_sse(self) -> None:
+        fake = await self.engine("openai", ["qwen"])
+        fake.default = Behaviour(chunks=30)
+        proxy = await self.proxy({"vllm": fake.url})
+        code, headers, body = await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions",
+            {"model": "qwen", "stream": True, "messages": []},
+        )
+        self.assertEqual(code, 200)
+        self.assertEqual(
+            headers.getRawHeaders(b"content-type"), [b"text/event-stream"]
+        )
+        events = [e for e in body.split(b"\n\n") if e]
+        self.assertEqual(events[-1], b"data: [DONE]")
+
+    async def test_chunks_arrive_before_the_end(self) -> None:
+        """
+        Streaming is not buffered: the first chunk reaches the client while
+        the engine is still generating.
+        """
+        fake = await self.engine("ollama", ["m:latest"])
+        fake.default = Behaviour(chunks=5, chunk_interval=0.3)
+        proxy = await self.proxy({"ollama": fake.url})
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        agent = Agent(reactor, pool=pool)
+        from nvproxy.upstream import BytesProducer
+
+        response: IResponse = await agent.request(
+            b"POST",
+            (facade_url(proxy, "ollama") + "/api/chat").encode(),
+            Headers({b"content-type": [b"application/json"]}),
+            BytesProducer(b'{"model":"m","messages":[]}'),
+        )
+        chunks: list[bytes] = []
+        done: Deferred[None] = Deferred()
+        response.deliverBody(_Collect(chunks, done))
+        await deferLater(reactor, 0.4, lambda: None)
+        self.assertTrue(chunks, "no chunk relayed while the stream is running")
+        self.assertFalse(done.called)
+        await done
+        self.assertTrue(json.loads(b"".join(chunks).splitlines()[-1])["done"])
+
+    async def test_headers(self) -> None:
+        """
+        Hop-by-hop headers are dropped, Host is rewritten, the rest kept.
+        """
+        fake = await self.engine("openai", ["qwen"])
+        fake.default = Behaviour(headers=(("X-Engine", "fake"),))
+        proxy = await self.proxy({"lmstudio": fake.url})
+        url = facade_url(proxy, "lmstudio")
+        code, headers, body = await self.post(
+            url + "/v1/completions",
+            {"model": "qwen", "prompt": "x"},
+            headers={
+                "Content-Type": ["application/json"],
+                "Authorization": ["Bearer s3cret"],
+                "Connection": ["keep-alive, X-Drop-Me"],
+                "X-Drop-Me": ["1"],
+                "Proxy-Authorization": ["Basic x"],
+                "X-Custom": ["kept"],
+            },
+        )
+        self.assertEqual(code, 200)
+        self.assertEqual(headers.getRawHeaders(b"x-engine"), [b"fake"])
+        seen = fake.requests[-1].headers
+        lowered = {k.lower(): v for k, v in seen.items()}
+        self.assertEqual(lowered["host"], f"127.0.0.1:{fake.port}")
+        self.assertEqual(lowered["authorization"], "Bearer s3cret")
+        self.assertEqual(lowered["x-custom"], "kept")
+        self.assertNotIn("x-drop-me", lowered)
+        self.assertNotIn("proxy-authorization", lowered)
+
+    async def test_engine_error_passes_through(self) -> None:
+        """
+        A non-retryable engine answer is the client's answer, body intact.
+        """
+        fake = await self.engine("openai", ["qwen"])
+        fake.default = Behaviour(status=400, body=b'{"error":"bad request, engine says"}')
+        proxy = await self.proxy({"lmstudio": fake.url})
+        code, headers, body = await self.post(
+            facade_url(proxy, "lmstudio") + "/v1/chat/completions",
+            {"model": "qwen", "messages": []},
+        )
+        self.assertEqual((code, body), (400, b'{"error":"bad request, engine says"}'))
+        self.assertEqual(
+            [r.path for r in fake.requests if r.path != "/v1/models"],
+            ["/v1/chat/completions"],
+        )
+
+    async def test_multipart(self) -> None:
+        """
+        A multipart upload is routed by its C{model} field and forwarded
+        byte for byte.
+        """
+        fake = await self.engine("openai", ["whisper"])
+        proxy = await self.proxy({"vllm": fake.url})
+        boundary = "XyZ"
+        audio = bytes(range(256)) * 4000
+        body = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+            f'filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n'
+        ).encode() + audio + (
+            f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="model"'
+            f"\r\n\r\nwhisper\r\n--{boundary}--\r\n"
+        ).encode()
+        code, headers, answer = await self.client.request(
+            "POST",
+            facade_url(proxy, "vllm") + "/v1/audio/transcriptions",
+            data=body,
+            headers={"Content-Type": [f"multipart/form-data; boundary={boundary}"]},
+        )
+        self.assertEqual(code, 200, answer)
+        self.assertEqual(fake.requests[-1].body, body)
+
+    async def test_other_route_verbatim(self) -> None:
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url})
+        code, headers, body = await self.client.request(
+            "GET", facade_url(proxy, "ollama") + "/api/version?x=1"
+        )
+        self.assertEqual(code, 200)
+        self.assertEqual(fake.requests[-1].uri, "/api/version?x=1")
+
+    async def test_empty_body_commits(self) -> None:
+        """
+        An answer with no body bytes at all is a commit, not a stall (§5.2).
+        """
+        fake = await self.engine("llamacpp", ["tiny"])
+        fake.default = Behaviour(body=b"")
+        proxy = await self.proxy({"llamacpp": fake.url})
+        code, headers, body = await self.post(
+            facade_url(proxy, "llamacpp") + "/completion", {"model": "tiny"}
+        )
+        self.assertEqual((code, body), (200, b""))
+
+
+class ErrorTests(ProxyTestCase):
+    async def test_no_owner_502(self) -> None:
+        """
+        A model nobody advertises gets the local 502 in the engine dialect,
+        and no engine is contacted (§5 step 1).
+        """
+        fake = await self.engine("ollama", ["other:latest"])
+        proxy = await self.proxy({"ollama": fake.url})
+        code, headers, body = await self.post(
+            facade_url(proxy, "ollama") + "/api/generate", {"model": "llama3"}
+        )
+        self.assertEqual(code, 502)
+        self.assertIn("llama3:latest", json.loads(body)["error"])
+        self.assertEqual(
+            [r.path for r in fake.requests if r.path != "/api/tags"], []
+        )
+
+    async def test_no_engine_running(self) -> None:
+        """
+        With no engine at the backend address the facade stays up and answers
+        inference with the local 502.
+        """
+        proxy = await self.proxy({"vllm": f"http://127.0.0.1:{free_port()}"})
+        code, headers, body = await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions", {"model": "m"}
+        )
+        self.assertEqual(code, 502)
+        error = json.loads(body)["error"]
+        self.assertEqual(error["code"], 502)
+        self.assertIn("no node advertises", error["message"])
+
+    async def test_malformed_json_400(self) -> None:
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url})
+        code, headers, body = await self.client.request(
+            "POST", facade_url(proxy, "ollama") + "/api/chat", data=b'{"model": "m",'
+        )
+        self.assertEqual(code, 400)
+        self.assertIn("not valid JSON", json.loads(body)["error"])
+
+    async def test_missing_model_400(self) -> None:
+        fake = await self.engine("openai", ["m"])
+        proxy = await self.proxy({"lmstudio": fake.url})
+        code, headers, body = await self.post(
+            facade_url(proxy, "lmstudio") + "/v1/chat/completions", {"messages": []}
+        )
+        self.assertEqual(code, 400)
+        self.assertEqual(json.loads(body)["error"]["type"], "invalid_request_error")
+
+    async def test_body_too_large_413(self) -> None:
+        fake = await self.engine("openai", ["m"])
+        config_proxy = await self.proxy({"lmstudio": fake.url})
+        config_proxy.listeners["lmstudio"]._factory.max_body = 1000  # type: ignore[attr-defined]
+        code, headers, body = await self.client.request(
+            "POST",
+            facade_url(config_proxy, "lmstudio") + "/v1/chat/completions",
+            data=b'{"model":"m","x":"' + b"a" * 5000 + b'"}',
+        )
+        self.assertEqual(code, 413)
+        self.assertIn("exceeds", json.loads(body)["error"]["message"])
+        self.assertEqual([r for r in fake.requests if r.path != "/v1/models"], [])
+
+
+class InventoryTests(ProxyTestCase):
+    async def test_ollama_tags_merged(self) -> None:
+        """
+        /api/tags asks every node and merges duplicates into Ollama's
+        envelope.
+        """
+        a = await self.engine("ollama", ["llama3:latest", "qwen:7b"])
+        b = await self.engine("ollama", ["llama3:latest", "phi:latest"])
+        proxy = await self.proxy({"ollama": a.url}, nodes={"gpu-2": {"ollama": b.url}})
+        code, headers, body = await self.client.request(
+            "GET", facade_url(proxy, "ollama") + "/api/tags"
+        )
+        self.assertEqual(code, 200)
+        names = sorted(m["name"] for m in json.loads(body)["models"])
+        self.assertEqual(names, ["llama3:latest", "phi:latest", "qwen:7b"])
+
+    async def test_llamacpp_aliases(self) -> None:
+        a = await self.engine("llamacpp", ["tiny"])
+        b = await self.engine("llamacpp", ["small"])
+        proxy = await self.proxy(
+            {"llamacpp": a.url}, nodes={"gpu-2": {"llamacpp": b.url}}
+        )
+        for path in ("/models", "/v1/models"):
+            code, headers, body = await self.client.request(
+                "GET", facade_url(proxy, "llamacpp") + path
+            )
+            listing = json.loads(body)
+            self.assertEqual(listing["object"], "list")
+            self.assertEqual(sorted(m["id"] for m in listing["data"]), ["small", "tiny"])
+
+    async def test_routes_to_the_owner(self) -> None:
+        """
+        A model only a direct node advertises is served by that node.
+        """
+        local = await self.engine("ollama", ["llama3:latest"])
+        remote = await self.engine("ollama", ["phi:latest"])
+        proxy = await self.proxy(
+            {"ollama": local.url}, nodes={"gpu-2": {"ollama": remote.url}}
+        )
+        code, headers, body = await self.post(
+            facade_url(proxy, "ollama") + "/api/generate",
+            {"model": "phi", "stream": False},
+        )
+        self.assertEqual(code, 200)
+        self.assertEqual([r.path for r in remote.requests][-1], "/api/generate")
+        self.assertNotIn("/api/generate", [r.path for r in local.requests])
+
+    async def test_node_stops_advertising(self) -> None:
+        """
+        A node that fails its poll stops advertising until it answers again.
+        """
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url})
+        snapshot = proxy.discovery.current
+        self.assertEqual([e.node_id for e in snapshot.owners("ollama", "m:latest")], ["local"])
+        await fake.stop()
+        await proxy.polling.poll()
+        self.assertEqual(proxy.discovery.current.owners("ollama", "m:latest"), ())
+        await fake.listen(reactor)
+        await proxy.polling.poll()
+        self.assertEqual(
+            [e.node_id for e in proxy.discovery.current.owners("ollama", "m:latest")],
+            ["local"],
+        )
+
+
+class IsolationTests(ProxyTestCase):
+    async def test_port_conflict_is_contained(self) -> None:
+        """
+        A facade whose port is taken fails alone; the others serve (§3.2).
+        """
+        fake = await self.engine("openai", ["m"])
+        from twisted.internet.protocol import Factory
+
+        config = proxy_config(self.mktemp(), {"lmstudio": fake.url, "vllm": fake.url})
+        blocker = reactor.listenTCP(
+            config.engines["lmstudio"].port, Factory(), interface="127.0.0.1"
+        )
+        self.addCleanup(blocker.stopListening)
+        proxy = await start_proxy(reactor, config)
+        self.addCleanup(proxy.stopService)
+        self.assertIsNone(proxy.listeners["lmstudio"].listening)
+        self.assertIn("Address already in use", proxy.listeners["lmstudio"].error or "")
+        code, headers, body = await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions", {"model": "m"}
+        )
+        self.assertEqual(code, 200)
+
+
+def _unused(_: Callable[[], None]) -> None:
+    pass
