@@ -1,0 +1,362 @@
+# -*- test-case-name: tests.test_inferstats -*-
+"""
+Inference stats measured from a response body as it streams (spec §5.5).
+
+The body is never buffered. :meth:`StatsMeter.feed` does O(len(chunk)) work per
+chunk: it keeps a bounded tail window and a few counters (first-byte time, last-byte
+time, byte total, SSE ``data:`` events, newline-delimited records), and never parses
+JSON. :meth:`StatsMeter.finish` parses only the tail window, once:
+
+* OpenAI ``usage`` (the last SSE event carrying it, or the non-streaming body);
+* Ollama's final record: ``prompt_eval_count`` / ``eval_count`` / ``eval_duration``;
+* llama.cpp ``/completion``: ``tokens_evaluated`` / ``tokens_predicted`` /
+  ``timings`` (llama.cpp's OpenAI routes add ``timings`` next to ``usage``).
+
+Every shape is recognised under every dialect (Ollama also serves OpenAI routes);
+the dialect only says how a body without a usage report is framed when it is
+counted. A body larger than the window that is one JSON document (a long
+non-streaming answer) has its report keys read from the window's end directly.
+
+Failing a report, completion tokens are estimated by counting stream events (SSE
+``data:`` events, or NDJSON records for Ollama) minus ``[DONE]`` and report-only
+events, and flagged ``estimated``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from attrs import frozen
+from twisted.internet.interfaces import IReactorTime
+
+__all__ = ["Dialect", "Stats", "StatsMeter"]
+
+Dialect = Literal["openai", "ollama", "llamacpp"]
+
+_SSE_EVENT = b"\ndata:"
+_CARRY = len(_SSE_EVENT) - 1
+_DONE = b"[DONE]"
+_REPORT_KEYS = (
+    "usage",
+    "timings",
+    "prompt_eval_count",
+    "eval_count",
+    "eval_duration",
+    "tokens_predicted",
+    "tokens_evaluated",
+)
+# The last occurrence of a report key as an object key: the opening quote is not
+# escaped (so it is not inside a string value of the body).
+_KEY = re.compile(r'(?<!\\)"(' + "|".join(_REPORT_KEYS) + r')"\s*:\s*')
+
+
+@frozen
+class Stats:
+    """
+    The additive ``stats`` block of a terminal workload event (§5.5).
+
+    :ivar estimated: completion tokens were counted from stream events rather than
+        reported by the engine.
+    """
+
+    promptTokens: int | None = None
+    completionTokens: int | None = None
+    tokensPerSecond: float | None = None
+    ttftMs: int | None = None
+    estimated: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object, ``None`` fields and a false ``estimated`` omitted."""
+        out: dict[str, Any] = {}
+        if self.promptTokens is not None:
+            out["promptTokens"] = self.promptTokens
+        if self.completionTokens is not None:
+            out["completionTokens"] = self.completionTokens
+        if self.tokensPerSecond is not None:
+            out["tokensPerSecond"] = round(self.tokensPerSecond, 1)
+        if self.ttftMs is not None:
+            out["ttftMs"] = self.ttftMs
+        if self.estimated:
+            out["estimated"] = True
+        return out
+
+
+@frozen
+class _Report:
+    prompt: int | None
+    completion: int | None
+    tps: float | None
+
+
+class StatsMeter:
+    """
+    Measures one response body.
+
+    :param clock: timestamps for time to first token and throughput.
+    :param dialect: the engine dialect, used to frame an unreported body.
+    :param tail_bytes: how much of the body's end is kept for :meth:`finish`.
+    """
+
+    def __init__(
+        self, clock: IReactorTime, dialect: Dialect, tail_bytes: int = 8192
+    ) -> None:
+        if tail_bytes < 64:
+            raise ValueError(f"tail_bytes must be >= 64, got {tail_bytes!r}")
+        self._clock = clock
+        self._dialect = dialect
+        self._limit = tail_bytes
+        self._tail = bytearray()
+        self._total = 0
+        self._events = 0
+        self._newlines = 0
+        # The last bytes of the stream, so a "\ndata:" split across chunks is still
+        # counted; the stream start counts as a line start.
+        self._carry = b"\n"
+        self._started: float | None = None
+        self._first: float | None = None
+        self._last: float | None = None
+        self._result: Stats | None = None
+        self._finished = False
+
+    @property
+    def window(self) -> int:
+        """The number of body bytes currently held (at most ``tail_bytes``)."""
+        return len(self._tail)
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    def started(self) -> None:
+        """Mark the reference time for time to first token (the dispatch)."""
+        self._started = self._clock.seconds()
+
+    def feed(self, chunk: bytes) -> None:
+        """Account for one chunk of the body, in order."""
+        if not chunk or self._finished:
+            return
+        now = self._clock.seconds()
+        if self._first is None:
+            self._first = now
+        self._last = now
+        self._total += len(chunk)
+        self._newlines += chunk.count(b"\n")
+        # A match spanning the boundary starts in the carry and ends in the chunk;
+        # neither 5-byte half can hold a whole 6-byte match on its own.
+        self._events += chunk.count(_SSE_EVENT)
+        self._events += (self._carry + chunk[:_CARRY]).count(_SSE_EVENT)
+        if len(chunk) >= _CARRY:
+            self._carry = chunk[-_CARRY:]
+        else:
+            self._carry = (self._carry + chunk)[-_CARRY:]
+        tail = self._tail
+        if len(chunk) >= self._limit:
+            tail[:] = chunk[-self._limit :]
+        else:
+            tail += chunk
+            excess = len(tail) - self._limit
+            if excess > 0:
+                del tail[:excess]  # advances the buffer start; no copy
+
+    def finish(self) -> Stats | None:
+        """
+        Parse the tail once and return the stats, or ``None`` when nothing could
+        be measured. Later calls return the same result; later feeds are ignored.
+        """
+        if self._finished:
+            return self._result
+        self._finished = True
+        self._result = self._measure()
+        self._tail = bytearray()
+        return self._result
+
+    def _measure(self) -> Stats | None:
+        ttft: int | None = None
+        if self._started is not None and self._first is not None:
+            ttft = max(0, round((self._first - self._started) * 1000))
+        window = bytes(self._tail)
+        whole = self._total <= len(window)
+        sse = self._events > 0
+        records, done, report_only = _records(window, whole)
+        report: _Report | None = None
+        for record in reversed(records):
+            report = _report(record)
+            if report is not None:
+                break
+        if report is None and not whole:
+            # One document larger than the window (a long non-streaming answer, or
+            # llama.cpp's final event carrying the prompt): read the report keys
+            # from its end.
+            report = _report(_scan_keys(window))
+        estimated = False
+        if report is None or report.completion is None:
+            counted = self._count(done, report_only, records, sse)
+            if counted is not None:
+                estimated = True
+                report = _Report(
+                    report.prompt if report is not None else None, counted, None
+                )
+        if report is None:
+            return None if ttft is None else Stats(ttftMs=ttft)
+        tps = report.tps
+        if tps is None and report.completion and sse:
+            tps = self._decode_rate(report.completion)
+        if tps is not None and not (math.isfinite(tps) and tps >= 0):
+            tps = None
+        return Stats(
+            promptTokens=report.prompt,
+            completionTokens=report.completion,
+            tokensPerSecond=tps,
+            ttftMs=ttft,
+            estimated=estimated,
+        )
+
+    def _count(
+        self,
+        done: int,
+        report_only: int,
+        records: list[dict[str, Any]],
+        sse: bool,
+    ) -> int | None:
+        if sse:
+            return max(0, self._events - done - report_only)
+        if self._dialect != "ollama" or self._newlines == 0:
+            # One unreported JSON document (a non-streaming answer) has no
+            # events to count.
+            return None
+        lines = self._newlines
+        if not self._tail.endswith(b"\n"):
+            lines += 1  # an unterminated last record
+        if records and records[-1].get("done") is True:
+            lines -= 1  # the final record carries no token
+        return max(0, lines)
+
+    def _decode_rate(self, tokens: int) -> float | None:
+        if self._first is None or self._last is None:
+            return None
+        span = self._last - self._first
+        return tokens / span if span > 0 else None
+
+
+def _lines(window: bytes, whole: bool) -> Iterator[bytes]:
+    lines = window.split(b"\n")
+    if not whole:
+        lines = lines[1:]  # the first line in a trimmed window may be partial
+    for line in lines:
+        stripped = line.strip()
+        if stripped:
+            yield stripped
+
+
+def _records(window: bytes, whole: bool) -> tuple[list[dict[str, Any]], int, int]:
+    """
+    The JSON objects in the window, in order, plus how many ``[DONE]`` markers and
+    report-only (``choices: []``) events it holds.
+    """
+    if whole and window:
+        body = _loads(window)
+        if isinstance(body, dict):
+            return [body], 0, 0
+    records: list[dict[str, Any]] = []
+    done = 0
+    report_only = 0
+    for line in _lines(window, whole):
+        if line.startswith(b"data:"):
+            line = line[5:].strip()
+            if line == _DONE:
+                done += 1
+                continue
+        elif line.startswith((b"event:", b"id:", b"retry:", b":")):
+            continue
+        value = _loads(line)
+        if isinstance(value, dict):
+            records.append(value)
+            if value.get("choices") == [] and value.get("usage") is not None:
+                report_only += 1
+    return records, done, report_only
+
+
+def _loads(data: bytes) -> object:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _scan_keys(window: bytes) -> dict[str, Any]:
+    """
+    The report keys found in the tail of one large JSON document, each the last
+    occurrence whose value decodes.
+    """
+    text = window.decode("utf-8", "replace")
+    decoder = json.JSONDecoder()
+    found: dict[str, Any] = {}
+    for match in _KEY.finditer(text):
+        try:
+            value, _ = decoder.raw_decode(text, match.end())
+        except ValueError:
+            continue
+        found[match.group(1)] = value
+    return found
+
+
+def _int(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        return None
+    return int(value) if value >= 0 else None
+
+
+def _float(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _timings_rate(timings: object) -> float | None:
+    if not isinstance(timings, dict):
+        return None
+    rate = _float(timings.get("predicted_per_second"))
+    if rate is not None:
+        return rate
+    predicted = _float(timings.get("predicted_n"))
+    millis = _float(timings.get("predicted_ms"))
+    if predicted is not None and millis:
+        return predicted * 1000 / millis
+    return None
+
+
+def _report(record: dict[str, Any]) -> _Report | None:
+    """Token counts from one record of any known shape, or ``None``."""
+    usage = record.get("usage")
+    if isinstance(usage, dict):
+        completion = _int(usage.get("completion_tokens"))
+        prompt = _int(usage.get("prompt_tokens"))
+        if completion is not None or prompt is not None:
+            return _Report(prompt, completion, _timings_rate(record.get("timings")))
+    if "eval_count" in record or "prompt_eval_count" in record:
+        completion = _int(record.get("eval_count"))
+        prompt = _int(record.get("prompt_eval_count"))
+        duration = _float(record.get("eval_duration"))  # nanoseconds
+        tps = None
+        if completion is not None and duration:
+            tps = completion / (duration / 1e9)
+        if completion is not None or prompt is not None:
+            return _Report(prompt, completion, tps)
+    if "tokens_predicted" in record or "tokens_evaluated" in record:
+        completion = _int(record.get("tokens_predicted"))
+        prompt = _int(record.get("tokens_evaluated"))
+        if completion is not None or prompt is not None:
+            return _Report(prompt, completion, _timings_rate(record.get("timings")))
+    timings = record.get("timings")
+    if isinstance(timings, dict):
+        completion = _int(timings.get("predicted_n"))
+        prompt = _int(timings.get("prompt_n"))
+        if completion is not None or prompt is not None:
+            return _Report(prompt, completion, _timings_rate(timings))
+    return None

@@ -1,0 +1,165 @@
+# -*- test-case-name: tests.test_ports -*-
+"""
+Persisted facade ports (spec §8).
+
+A port chosen at runtime (C{set-port}) is written per engine to
+C{<state_dir>/<engine.port_file>} as C{{"port": N}} and restored when that
+facade is enabled, taking precedence over the configured port, so the facade
+returns where the user left it.  A broker-coordinated start may bypass it
+(C{ignore_persisted}).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import TYPE_CHECKING
+
+from attrs import frozen
+from twisted.logger import Logger
+
+from nvproxy.engines import ENGINES
+
+if TYPE_CHECKING:
+    from nvproxy.config import EngineConfig
+
+log = Logger()
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """
+    Replace C{path} with C{data} atomically: write a temporary file in the
+    same directory (created if missing), flush it to disk, then
+    C{os.replace} it over C{path}.  On failure the old file is untouched and
+    no temporary file is left behind.
+
+    @raise OSError: the write failed.
+    """
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(
+        dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
+    )
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    try:
+        directory_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(directory_fd)
+
+
+def valid_port(port: object) -> bool:
+    """
+    Whether C{port} is a bindable, announceable port: an C{int} in 1..65535.
+    """
+    return isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535
+
+
+@frozen
+class PortStore:
+    """
+    The persisted facade ports of one node, in C{state_dir}.
+    """
+
+    state_dir: str
+
+    def path(self, engine_id: str) -> str:
+        """
+        The persisted-port file of an engine.
+
+        @raise ValueError: unknown engine.
+        """
+        engine = ENGINES.get(engine_id)
+        if engine is None:
+            raise ValueError(f"unknown engine {engine_id!r}")
+        return os.path.join(self.state_dir, engine.port_file)
+
+    def get(self, engine_id: str) -> int | None:
+        """
+        The persisted port of an engine, or L{None} when there is none.  A file
+        that cannot be read or does not hold C{{"port": 1..65535}} is ignored
+        with a warning.
+        """
+        path = self.path(engine_id)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            self._ignore(engine_id, path, f"cannot read: {e.strerror or e}")
+            return None
+        try:
+            document = json.loads(data)
+        except ValueError:
+            self._ignore(engine_id, path, "not JSON")
+            return None
+        port = document.get("port") if isinstance(document, dict) else None
+        if not valid_port(port):
+            self._ignore(engine_id, path, 'expected {"port": N} with N in 1..65535')
+            return None
+        assert isinstance(port, int)
+        return port
+
+    def _ignore(self, engine_id: str, path: str, problem: str) -> None:
+        log.warn(
+            "ignoring persisted port of {engine} in {path}: {problem}",
+            engine=engine_id,
+            path=path,
+            problem=problem,
+        )
+
+    def set(self, engine_id: str, port: int) -> None:
+        """
+        Persist an engine's facade port.
+
+        @raise ValueError: unknown engine, or C{port} not in 1..65535.
+        @raise OSError: it could not be written.
+        """
+        path = self.path(engine_id)
+        if not valid_port(port):
+            raise ValueError(f"port must be 1..65535, got {port!r}")
+        atomic_write(path, json.dumps({"port": port}).encode("ascii") + b"\n")
+
+    def clear(self, engine_id: str) -> None:
+        """
+        Forget an engine's persisted port.
+
+        @raise ValueError: unknown engine.
+        @raise OSError: the file exists but could not be removed.
+        """
+        try:
+            os.unlink(self.path(engine_id))
+        except FileNotFoundError:
+            pass
+
+
+def effective_port(
+    engine: EngineConfig, store: PortStore, ignore_persisted: bool = False
+) -> int:
+    """
+    The port an engine's facade binds: the persisted port, unless ignored;
+    else the configured port; else the engine's standalone default (spec §8).
+    """
+    if not ignore_persisted:
+        persisted = store.get(engine.id)
+        if persisted is not None:
+            return persisted
+    return engine.facade_port

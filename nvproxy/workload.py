@@ -1,0 +1,382 @@
+# -*- test-case-name: tests.test_workload -*-
+"""
+Workload lifecycle events (spec §5.5).
+
+One :class:`WorkloadRecorder` per process is the event producer: it owns ``seq``
+(from 1, across every workload) and hands each request a :class:`WorkloadTracker`
+whose methods are the dispatcher's ``JobObserver`` hooks::
+
+    hook                         event                 state      scheduledOn
+    admitted()                   workload:submitted    queued     absent
+    dispatching(node, attempt)   workload:submitted    queued     node
+    between_attempts()           workload:submitted    queued     absent
+    committed(node, status)      workload:started      running    node
+    finished(outcome, stats)     workload:completed    completed  unchanged
+                                 workload:errored      failed     unchanged
+                                 workload:cancelled    cancelled  unchanged
+
+Exactly one terminal event per workload; hooks after it are ignored, and so are
+pre-commit hooks after the commit (the state rank never goes back). ``stats`` is
+attached only to the terminal event of a committed response whose status is below
+400.
+
+Sinks receive ``(method, WorkloadInfo)``: :class:`RingSink` keeps recent workloads
+for ``GET /admin/workloads``; :class:`JsonLinesSink` writes JSON-RPC notifications,
+one per line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import IO, Any, Literal, Protocol
+
+import attrs
+from attrs import frozen
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from nvproxy.inferstats import Stats
+
+__all__ = [
+    "JsonLinesSink",
+    "Outcome",
+    "RingSink",
+    "WorkloadInfo",
+    "WorkloadRecorder",
+    "WorkloadSink",
+    "WorkloadState",
+    "WorkloadTracker",
+]
+
+log = Logger()
+
+WorkloadState = Literal["queued", "running", "completed", "failed", "cancelled"]
+
+SUBMITTED = "workload:submitted"
+STARTED = "workload:started"
+COMPLETED = "workload:completed"
+ERRORED = "workload:errored"
+CANCELLED = "workload:cancelled"
+TERMINAL = frozenset({COMPLETED, ERRORED, CANCELLED})
+
+
+@frozen
+class WorkloadInfo:
+    """
+    The ``workloadInfo`` of one event, named exactly as on the wire. Times are
+    milliseconds since the epoch (from the injected clock).
+    """
+
+    id: str
+    model: str
+    engine: str
+    runId: str
+    state: WorkloadState
+    originatedFrom: str
+    scheduledOn: str | None
+    createdAt: int
+    startedAt: int | None
+    completedAt: int | None
+    error: str | None
+    requesterId: str | None
+    seq: int
+    stats: Stats | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """
+        The JSON object. An unplaced workload has no ``scheduledOn`` key (§5.5:
+        absent means "not placed"); ``stats`` is absent unless measured.
+        """
+        out: dict[str, Any] = {
+            "id": self.id,
+            "model": self.model,
+            "engine": self.engine,
+            "runId": self.runId,
+            "state": self.state,
+            "originatedFrom": self.originatedFrom,
+        }
+        if self.scheduledOn is not None:
+            out["scheduledOn"] = self.scheduledOn
+        out.update(
+            createdAt=self.createdAt,
+            startedAt=self.startedAt,
+            completedAt=self.completedAt,
+            error=self.error,
+            requesterId=self.requesterId,
+            seq=self.seq,
+        )
+        if self.stats is not None:
+            stats = self.stats.to_json()
+            if stats:
+                out["stats"] = stats
+        return out
+
+
+def notification(method: str, info: WorkloadInfo) -> dict[str, Any]:
+    """The JSON-RPC 2.0 notification carrying one event."""
+    return {
+        "jsonrpc": "2.0",
+        "method": method,
+        "params": {"workloadInfo": info.to_json()},
+    }
+
+
+class WorkloadSink(Protocol):
+    """Where workload events go."""
+
+    def emit(self, method: str, info: WorkloadInfo) -> None: ...
+
+
+class Outcome(Protocol):
+    """
+    What :meth:`WorkloadTracker.finished` reads from the dispatcher's
+    ``JobOutcome``.
+    """
+
+    @property
+    def state(self) -> str: ...  # "completed" | "failed" | "cancelled"
+
+    @property
+    def status(self) -> int | None: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+
+class WorkloadRecorder:
+    """
+    The process-wide producer of workload events.
+
+    :param clock: timestamps (``createdAt``, ``startedAt``, ``completedAt``).
+    :param sinks: every event goes to each, in order; a failing sink is logged
+        and does not affect the request or the other sinks.
+    :param run_id: this process run's id, carried as ``runId``.
+    :param originated_from: default ``originatedFrom`` (this node's id, or ``""``).
+    """
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        sinks: Iterable[WorkloadSink],
+        run_id: str,
+        originated_from: str = "",
+    ) -> None:
+        self._clock = clock
+        self._sinks = list(sinks)
+        self._run_id = run_id
+        self._origin = originated_from
+        self._seq = 0
+        self._ids = 0
+
+    @property
+    def seq(self) -> int:
+        """The ``seq`` of the last event produced (0 before the first)."""
+        return self._seq
+
+    def now_ms(self) -> int:
+        return round(self._clock.seconds() * 1000)
+
+    def begin(
+        self,
+        engine: str,
+        model: str,
+        *,
+        requester_id: str | None = None,
+        originated_from: str | None = None,
+    ) -> WorkloadTracker:
+        """Start tracking one request; emits nothing until :meth:`admitted`."""
+        self._ids += 1
+        info = WorkloadInfo(
+            id=str(self._ids),
+            model=model,
+            engine=engine,
+            runId=self._run_id,
+            state="queued",
+            originatedFrom=self._origin if originated_from is None else originated_from,
+            scheduledOn=None,
+            createdAt=self.now_ms(),
+            startedAt=None,
+            completedAt=None,
+            error=None,
+            requesterId=requester_id,
+            seq=0,
+        )
+        return WorkloadTracker(self, info)
+
+    def _emit(self, method: str, info: WorkloadInfo) -> WorkloadInfo:
+        self._seq += 1
+        info = attrs.evolve(info, seq=self._seq)
+        for sink in self._sinks:
+            try:
+                sink.emit(method, info)
+            except Exception:
+                log.failure(
+                    "workload sink {sink!r} failed on {method} seq {seq}",
+                    sink=sink,
+                    method=method,
+                    seq=info.seq,
+                )
+        return info
+
+
+class WorkloadTracker:
+    """
+    One workload's events; its methods are the ``JobObserver`` hooks. Obtain from
+    :meth:`WorkloadRecorder.begin`.
+    """
+
+    def __init__(self, recorder: WorkloadRecorder, info: WorkloadInfo) -> None:
+        self._recorder = recorder
+        self._info = info
+        self._committed_status: int | None = None
+        self._done = False
+
+    @property
+    def info(self) -> WorkloadInfo:
+        """The workload as of its last event (``seq`` 0 before the first)."""
+        return self._info
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def admitted(self) -> None:
+        self._queued(None)
+
+    def dispatching(self, node_id: str, attempt: int) -> None:
+        self._queued(node_id)
+
+    def between_attempts(self) -> None:
+        self._queued(None)
+
+    def committed(self, node_id: str, status: int) -> None:
+        if self._done or self._committed_status is not None:
+            return
+        self._committed_status = status
+        self._emit(
+            STARTED,
+            state="running",
+            scheduledOn=node_id,
+            startedAt=self._recorder.now_ms(),
+        )
+
+    def finished(self, outcome: Outcome, stats: Stats | None = None) -> None:
+        """
+        Emit the one terminal event.
+
+        ``stats`` is kept only if the response was committed with a status below
+        400: the proxy's own error bodies and an engine's error body are never
+        measured. A ``failed`` outcome carries ``outcome.reason`` (or the status)
+        as ``error``.
+        """
+        if self._done:
+            return
+        status = self._committed_status
+        if status is None or status >= 400:
+            stats = None
+        now = self._recorder.now_ms()
+        if outcome.state == "completed":
+            self._emit(COMPLETED, state="completed", completedAt=now, stats=stats)
+        elif outcome.state == "cancelled":
+            self._emit(
+                CANCELLED,
+                state="cancelled",
+                completedAt=now,
+                error=outcome.reason,
+                stats=stats,
+            )
+        else:
+            error = outcome.reason
+            if not error:
+                code = outcome.status if outcome.status is not None else status
+                error = f"upstream status {code}" if code is not None else "failed"
+            self._emit(
+                ERRORED, state="failed", completedAt=now, error=error, stats=stats
+            )
+        self._done = True
+
+    def _queued(self, node_id: str | None) -> None:
+        # The broker's store rejects a lower state rank (§5.5): once running, a
+        # workload never reads queued again.
+        if self._committed_status is None:
+            self._emit(SUBMITTED, state="queued", scheduledOn=node_id)
+
+    def _emit(self, method: str, **changes: Any) -> None:
+        if self._done:
+            return
+        self._info = self._recorder._emit(method, attrs.evolve(self._info, **changes))
+
+
+@attrs.define
+class _Entry:
+    first_seq: int
+    created_at: int
+    events: list[tuple[str, WorkloadInfo]]
+
+    def to_json(self) -> dict[str, Any]:
+        last = self.events[-1][1]
+        return {
+            "workloadInfo": last.to_json(),
+            "events": [
+                {"method": method, "workloadInfo": info.to_json()}
+                for method, info in self.events
+            ],
+        }
+
+
+class RingSink:
+    """
+    The most recent workloads, each with its event list, for
+    ``GET /admin/workloads?limit=N``.
+
+    Unfinished workloads are kept until their terminal event (their number is
+    bounded by the requests in flight); finished ones go to a ring of ``maxlen``,
+    the oldest dropped first.
+    """
+
+    def __init__(self, maxlen: int = 1000) -> None:
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be >= 1, got {maxlen!r}")
+        self._maxlen = maxlen
+        self._active: dict[str, _Entry] = {}
+        self._finished: OrderedDict[str, _Entry] = OrderedDict()
+
+    def emit(self, method: str, info: WorkloadInfo) -> None:
+        entry = self._active.get(info.id)
+        if entry is None:
+            entry = _Entry(info.seq, info.createdAt, [])
+            self._active[info.id] = entry
+        entry.events.append((method, info))
+        if method in TERMINAL:
+            del self._active[info.id]
+            self._finished[info.id] = entry
+            while len(self._finished) > self._maxlen:
+                self._finished.popitem(last=False)
+
+    def recent(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Up to ``limit`` workloads, the most recently created first."""
+        entries = sorted(
+            [*self._active.values(), *self._finished.values()],
+            key=lambda e: (e.created_at, e.first_seq),
+            reverse=True,
+        )
+        if limit is not None:
+            entries = entries[: max(0, limit)]
+        return [e.to_json() for e in entries]
+
+
+class JsonLinesSink:
+    """
+    Writes each event as one JSON-RPC 2.0 notification per line, flushed, e.g.
+    to the broker link's stdout or an audit file.
+    """
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+
+    def emit(self, method: str, info: WorkloadInfo) -> None:
+        line = json.dumps(notification(method, info), separators=(",", ":"))
+        self._file.write(line + "\n")
+        self._file.flush()

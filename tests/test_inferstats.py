@@ -1,0 +1,304 @@
+# -*- test-case-name: tests.test_inferstats -*-
+"""Tests for nvproxy.inferstats."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from nvproxy.inferstats import Dialect, Stats, StatsMeter
+
+
+def sse(*events: dict[str, Any] | str) -> bytes:
+    out = b""
+    for event in events:
+        data = event if isinstance(event, str) else json.dumps(event)
+        out += b"data: " + data.encode() + b"\n\n"
+    return out
+
+
+def ndjson(*records: dict[str, Any]) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in records)
+
+
+def openai_chunk(content: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": content}}],
+    }
+
+
+USAGE = {"prompt_tokens": 12, "completion_tokens": 340, "total_tokens": 352}
+TOKENS = [openai_chunk(f"tok{i} data: ") for i in range(20)]
+OPENAI_SSE_USAGE = sse(
+    *TOKENS,
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    {"choices": [], "usage": USAGE},
+    "[DONE]",
+)
+OPENAI_SSE_NO_USAGE = sse(*TOKENS, "[DONE]")
+OPENAI_JSON = json.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"content": "hello"}}],
+        "usage": USAGE,
+    }
+).encode()
+
+OLLAMA_FINAL = {
+    "model": "llama3:latest",
+    "response": "",
+    "done": True,
+    "done_reason": "stop",
+    "prompt_eval_count": 12,
+    "eval_count": 340,
+    "eval_duration": 8_037_825_000,
+}
+OLLAMA_TOKENS = [
+    {"model": "llama3:latest", "response": f"t{i}\n", "done": False} for i in range(30)
+]
+OLLAMA_STREAM = ndjson(*OLLAMA_TOKENS, OLLAMA_FINAL)
+OLLAMA_JSON = json.dumps({**OLLAMA_FINAL, "response": "Hello there"}).encode()
+
+LLAMACPP_FINAL = {
+    "content": "",
+    "stop": True,
+    "tokens_predicted": 340,
+    "tokens_evaluated": 12,
+    "timings": {"prompt_n": 12, "predicted_n": 340, "predicted_per_second": 42.3},
+}
+LLAMACPP_STREAM = sse(
+    *[{"content": f"t{i}", "stop": False} for i in range(25)], LLAMACPP_FINAL
+)
+LLAMACPP_JSON = json.dumps({**LLAMACPP_FINAL, "content": "Hello"}).encode()
+
+REPORTED = Stats(12, 340, None, 0, False)
+OLLAMA_STATS = Stats(12, 340, 340 / 8.037825, 0, False)
+LLAMACPP_STATS = Stats(12, 340, 42.3, 0, False)
+
+CASES: dict[str, tuple[Dialect, bytes, Stats]] = {
+    "openai-sse-usage": ("openai", OPENAI_SSE_USAGE, REPORTED),
+    "openai-sse-no-usage": (
+        "openai",
+        OPENAI_SSE_NO_USAGE,
+        Stats(None, 20, None, 0, True),
+    ),
+    "openai-json": ("openai", OPENAI_JSON, REPORTED),
+    "ollama-stream": ("ollama", OLLAMA_STREAM, OLLAMA_STATS),
+    "ollama-json": ("ollama", OLLAMA_JSON, OLLAMA_STATS),
+    "llamacpp-stream": ("llamacpp", LLAMACPP_STREAM, LLAMACPP_STATS),
+    "llamacpp-json": ("llamacpp", LLAMACPP_JSON, LLAMACPP_STATS),
+}
+
+
+def measure(
+    dialect: Dialect,
+    chunks: list[bytes],
+    tail_bytes: int = 8192,
+    clock: Clock | None = None,
+) -> Stats | None:
+    meter = StatsMeter(clock or Clock(), dialect, tail_bytes=tail_bytes)
+    meter.started()
+    for chunk in chunks:
+        meter.feed(chunk)
+        assert meter.window <= tail_bytes
+    return meter.finish()
+
+
+def split(body: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({0, len(body), *(min(c, len(body)) for c in cuts)})
+    return [body[a:b] for a, b in itertools.pairwise(points)]
+
+
+class StatsTests(SynchronousTestCase):
+    def test_to_json_omits_none(self) -> None:
+        self.assertEqual(Stats().to_json(), {})
+        self.assertEqual(
+            Stats(12, 340, 42.2999, 812).to_json(),
+            {
+                "promptTokens": 12,
+                "completionTokens": 340,
+                "tokensPerSecond": 42.3,
+                "ttftMs": 812,
+            },
+        )
+        self.assertEqual(
+            Stats(None, 5, None, None, True).to_json(),
+            {"completionTokens": 5, "estimated": True},
+        )
+
+
+class StatsMeterTests(SynchronousTestCase):
+    def test_cases_whole(self) -> None:
+        for name, (dialect, body, expected) in CASES.items():
+            self.assertEqual(measure(dialect, [body]), expected, name)
+
+    @given(
+        case=st.sampled_from(sorted(CASES)),
+        cuts=st.lists(st.integers(min_value=0, max_value=5000), max_size=40),
+        byte_at_a_time=st.booleans(),
+    )
+    @settings(deadline=None, max_examples=300)
+    def test_any_split_same_stats(
+        self, case: str, cuts: list[int], byte_at_a_time: bool
+    ) -> None:
+        """The result does not depend on where the body is split into chunks."""
+        dialect, body, expected = CASES[case]
+        chunks = (
+            [body[i : i + 1] for i in range(len(body))]
+            if byte_at_a_time
+            else split(body, cuts)
+        )
+        self.assertEqual(measure(dialect, chunks), expected)
+
+    @given(
+        case=st.sampled_from(sorted(CASES)),
+        cuts=st.lists(st.integers(min_value=0, max_value=5000), max_size=40),
+    )
+    @settings(deadline=None, max_examples=300)
+    def test_any_split_small_window(self, case: str, cuts: list[int]) -> None:
+        """
+        With a window much smaller than the body, the result is still
+        independent of the split, and reported counts are still found.
+        """
+        dialect, body, _ = CASES[case]
+        reference = measure(dialect, [body], tail_bytes=400)
+        self.assertEqual(measure(dialect, split(body, cuts), tail_bytes=400), reference)
+        assert reference is not None
+        if case != "openai-sse-no-usage":
+            self.assertEqual(reference.completionTokens, 340)
+
+    def test_large_nonstreaming_body(self) -> None:
+        """
+        A non-streaming answer larger than the window still reports its usage,
+        read from the end of the document.
+        """
+        body = json.dumps(
+            {
+                "choices": [{"message": {"content": 'say "usage": {"x": 1} ' * 2000}}],
+                "usage": USAGE,
+            }
+        ).encode()
+        self.assertEqual(measure("openai", split(body, [4000, 9000])), REPORTED)
+        big = json.dumps({**OLLAMA_FINAL, "response": "x" * 50_000}).encode()
+        self.assertEqual(measure("ollama", [big]), OLLAMA_STATS)
+
+    def test_llamacpp_final_event_larger_than_window(self) -> None:
+        """
+        llama.cpp's final event repeats the prompt; when it outgrows the window
+        the counts come from its tail keys.
+        """
+        # llama.cpp writes "prompt" before "timings" (and tokens_* before both).
+        final = {
+            "content": "",
+            "stop": True,
+            "tokens_predicted": 340,
+            "tokens_evaluated": 12,
+            "prompt": "p" * 20_000,
+            "timings": LLAMACPP_FINAL["timings"],
+        }
+        body = sse({"content": "a", "stop": False}, final)
+        self.assertEqual(measure("llamacpp", [body]), LLAMACPP_STATS)
+
+    def test_ollama_truncated_stream_estimated(self) -> None:
+        body = ndjson(*OLLAMA_TOKENS)
+        self.assertEqual(measure("ollama", [body]), Stats(None, 30, None, 0, True))
+        self.assertEqual(measure("ollama", [body[:-1]]), Stats(None, 30, None, 0, True))
+
+    def test_ollama_openai_route(self) -> None:
+        """An OpenAI-shaped stream is measured under the Ollama dialect too."""
+        self.assertEqual(measure("ollama", [OPENAI_SSE_USAGE]), REPORTED)
+
+    def test_llamacpp_openai_usage_and_timings(self) -> None:
+        body = sse(
+            *TOKENS,
+            {
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                "usage": USAGE,
+                "timings": {"predicted_per_second": 50.0},
+            },
+            "[DONE]",
+        )
+        self.assertEqual(measure("llamacpp", [body]), Stats(12, 340, 50.0, 0))
+
+    def test_nothing_measured(self) -> None:
+        meter = StatsMeter(Clock(), "openai")
+        self.assertIsNone(meter.finish())
+        meter = StatsMeter(Clock(), "openai")
+        meter.feed(b"not json")
+        self.assertIsNone(meter.finish())
+
+    def test_unreported_document_ttft_only(self) -> None:
+        self.assertEqual(measure("openai", [b'{"choices": []}']), Stats(ttftMs=0))
+        self.assertEqual(
+            measure("ollama", [b'{"done": true, "done_reason": "load"}']),
+            Stats(ttftMs=0),
+        )
+
+    def test_ttft_and_decode_rate(self) -> None:
+        clock = Clock()
+        meter = StatsMeter(clock, "openai")
+        meter.started()
+        clock.advance(0.812)
+        meter.feed(sse(openai_chunk("a")))
+        clock.advance(2)
+        meter.feed(sse(openai_chunk("b")))
+        meter.feed(sse({"choices": [], "usage": USAGE}, "[DONE]"))
+        stats = meter.finish()
+        self.assertEqual(stats, Stats(12, 340, 170.0, 812))
+        self.assertIs(meter.finish(), stats)
+
+    def test_no_started_no_ttft(self) -> None:
+        meter = StatsMeter(Clock(), "ollama")
+        meter.feed(OLLAMA_JSON)
+        stats = meter.finish()
+        assert stats is not None
+        self.assertIsNone(stats.ttftMs)
+
+    def test_feed_after_finish_ignored(self) -> None:
+        meter = StatsMeter(Clock(), "ollama")
+        meter.feed(OLLAMA_JSON)
+        first = meter.finish()
+        meter.feed(b"garbage")
+        self.assertEqual(meter.finish(), first)
+
+    def test_tail_bytes_minimum(self) -> None:
+        self.assertRaises(ValueError, StatsMeter, Clock(), "openai", tail_bytes=10)
+
+    def test_50mb_stream_bounded_window(self) -> None:
+        """
+        A 50 MB stream keeps at most ``tail_bytes`` of body, counts every event,
+        and still finds the usage report at the end.
+        """
+        meter = StatsMeter(Clock(), "openai", tail_bytes=8192)
+        meter.started()
+        block = sse(*[openai_chunk("x" * 40)] * 40)
+        events_per_block = 40
+        fed = 0
+        blocks = 0
+        while fed < 50 * 1024 * 1024:
+            meter.feed(block)
+            fed += len(block)
+            blocks += 1
+            self.assertLessEqual(meter.window, 8192)
+        meter.feed(sse({"choices": [], "usage": USAGE}, "[DONE]"))
+        self.assertEqual(meter.finish(), REPORTED)
+        self.assertEqual(meter.window, 0)
+        self.assertGreater(meter.total_bytes, 50 * 1024 * 1024)
+
+        meter = StatsMeter(Clock(), "openai", tail_bytes=8192)
+        for _ in range(blocks):
+            meter.feed(block)
+        self.assertLessEqual(meter.window, 8192)
+        stats = meter.finish()
+        assert stats is not None
+        self.assertEqual(stats.completionTokens, blocks * events_per_block)
+        self.assertTrue(stats.estimated)
