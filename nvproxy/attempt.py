@@ -25,7 +25,7 @@ from typing import Any
 
 from attrs import frozen
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -44,6 +44,7 @@ from nvproxy.dispatch import (
 from nvproxy.upstream import REQUEST_DROP, body_producer, end_to_end
 
 log = Logger()
+_DONE = Failure(ResponseDone())
 
 
 @frozen
@@ -162,7 +163,7 @@ class _Gate(Protocol):
     def dataReceived(self, data: bytes) -> None:
         self._attempt._first_bytes(data)
 
-    def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+    def connectionLost(self, reason: Failure = _DONE) -> None:
         self._attempt._body_ended(reason)
 
 
@@ -328,7 +329,7 @@ class HttpAttempt:
     def _stop_upstream(self) -> None:
         gate = self._gate
         if gate is not None and gate.transport is not None:
-            gate.transport.stopProducing()
+            IPushProducer(gate.transport).stopProducing()
 
     # -- Attempt protocol -------------------------------------------------
 
@@ -369,10 +370,9 @@ def _discard(response: IResponse) -> None:
 
     class _Discard(Protocol):
         def connectionMade(self) -> None:
-            assert self.transport is not None
-            self.transport.stopProducing()
+            IPushProducer(self.transport).stopProducing()
 
-        def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+        def connectionLost(self, reason: Failure = _DONE) -> None:
             pass
 
     response.deliverBody(_Discard())

@@ -86,6 +86,9 @@ def _request(args: argparse.Namespace) -> tuple[str, str, bytes | None]:
     raise CtlError(f"unknown command {command}")
 
 
+_JSON: dict[bytes | str, list[bytes | str]] = {b"content-type": [b"application/json"]}
+
+
 def _call(
     reactor: Any, admin: str, method: str, path: str, body: bytes | None, timeout: float
 ) -> Any:
@@ -96,7 +99,7 @@ def _call(
             method,
             f"http://{admin}{path}",
             data=body,
-            headers={"Content-Type": ["application/json"]},
+            headers=_JSON,
             timeout=timeout,
             reactor=reactor,
         )
@@ -126,7 +129,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
 
     async def run(reactor: Any) -> None:
         try:
-            code, raw = await _call(reactor, args.admin, method, path, body, args.timeout)
+            code, raw = await _call(
+                reactor, args.admin, method, path, body, args.timeout
+            )
         except Exception as e:
             print(
                 f"nvproxyctl: cannot reach the admin API at {args.admin}: "

@@ -186,11 +186,11 @@ class PollingDiscovery(Service):
         self._publish()
 
     def startService(self) -> None:
-        super().startService()
+        super().startService()  # type: ignore[no-untyped-call]
         self._loop.start(self._interval, now=True)
 
     def stopService(self) -> Deferred[None] | None:
-        super().stopService()
+        super().stopService()  # type: ignore[no-untyped-call]
         if self._loop.running:
             self._loop.stop()
         for d in list(self._inflight.values()):

@@ -246,7 +246,9 @@ LMSTUDIO = Engine(
     ),
     inventory={
         "/v1/models": _OPENAI_MODELS,
-        "/api/v0/models": ModelList("/api/v0/models", "data", "id", OPENAI_LIST_ENVELOPE),
+        "/api/v0/models": ModelList(
+            "/api/v0/models", "data", "id", OPENAI_LIST_ENVELOPE
+        ),
     },
     poll=_OPENAI_MODELS,
     error_dialect="openai",

@@ -101,7 +101,9 @@ class _Sink:
         self._client = client
         self._model = model
 
-    def reject(self, status: int, reason: RejectReason, retry_after: int | None) -> None:
+    def reject(
+        self, status: int, reason: RejectReason, retry_after: int | None
+    ) -> None:
         message = reason.message
         if self._model is not None:
             message = f"{message} (model {self._model!r})"
@@ -331,7 +333,9 @@ class Facade:
             if request.finished:
                 return
             request.setResponseCode(200)
-            request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
+            request.responseHeaders.setRawHeaders(
+                b"content-type", [b"application/json"]
+            )
             request.responseHeaders.setRawHeaders(
                 b"content-length", [b"%d" % len(body)]
             )

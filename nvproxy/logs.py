@@ -13,15 +13,51 @@ so the output is plain JSON Lines.
 
 from __future__ import annotations
 
+import json
 import sys
+from datetime import UTC, datetime
 from typing import IO
 
 from twisted.logger import (
     FileLogObserver,
+    FilteringLogObserver,
     ILogObserver,
-    eventAsJSON,
+    LogEvent,
+    LogLevel,
+    LogLevelFilterPredicate,
+    formatEvent,
     formatEventAsClassicLogText,
 )
+
+
+def event_as_json_line(event: LogEvent) -> str:
+    """
+    One log event as one line of JSON: C{time} (ISO 8601, UTC), C{level},
+    C{namespace}, the formatted C{message}, every structured field whose
+    value is a JSON scalar (field names are stable: they are the keys), and
+    C{traceback} for a logged failure.
+    """
+    record: dict[str, object] = {}
+    when = event.get("log_time")
+    if isinstance(when, (int, float)):
+        record["time"] = (
+            datetime.fromtimestamp(when, tz=UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z")
+        )
+    level = event.get("log_level")
+    record["level"] = getattr(level, "name", "info")
+    record["namespace"] = event.get("log_namespace", "-")
+    record["message"] = formatEvent(event)
+    for key, value in event.items():
+        if key.startswith("log_") or key in record:
+            continue
+        if value is None or isinstance(value, (str, int, float, bool)):
+            record[key] = value
+    failure = event.get("log_failure")
+    if failure is not None:
+        record["traceback"] = failure.getTraceback()
+    return json.dumps(record, default=str) + "\n"
 
 
 def json_observer(out: IO[str] | None = None) -> ILogObserver:
@@ -29,9 +65,50 @@ def json_observer(out: IO[str] | None = None) -> ILogObserver:
     An observer writing one JSON object per line to C{out} (stdout).
     """
     stream = out if out is not None else sys.stdout
-    return FileLogObserver(stream, lambda event: eventAsJSON(event) + "\n")
+    return FileLogObserver(stream, event_as_json_line)
 
 
 def text_observer(out: IO[str] | None = None) -> ILogObserver:
     stream = out if out is not None else sys.stdout
     return FileLogObserver(stream, formatEventAsClassicLogText)
+
+
+_twistd_settings: dict[str, object] = {
+    "format": "text",
+    "level": "info",
+    "logfile": None,
+    "nodaemon": True,
+}
+
+
+def configure_twistd(
+    log_format: str, level: str, logfile: str | None, nodaemon: bool
+) -> str:
+    """
+    Remember how twistd should log and return the dotted name of the
+    observer factory to give twistd's C{--logger} (twistd imports it by name
+    when it starts logging, after options are parsed).
+    """
+    _twistd_settings.update(
+        format=log_format, level=level, logfile=logfile, nodaemon=nodaemon
+    )
+    return f"{__name__}.twistd_observer"
+
+
+def twistd_observer() -> ILogObserver:
+    """
+    The observer twistd logs to: our format, at our level (default info:
+    per-request routing detail is debug, spec §9; C{NVPROXY_LOG_LEVEL=debug}
+    shows it), where twistd would put it: stdout with C{-n} or
+    C{--logfile -}, else the log file (default C{twistd.log}).
+    """
+    settings = _twistd_settings
+    logfile = settings["logfile"]
+    assert logfile is None or isinstance(logfile, str)
+    if logfile == "-" or (logfile is None and settings["nodaemon"]):
+        out: IO[str] = sys.stdout
+    else:
+        out = open(logfile or "twistd.log", "a", encoding="utf-8")
+    inner = json_observer(out) if settings["format"] == "json" else text_observer(out)
+    level = LogLevel.levelWithName(str(settings["level"]))
+    return FilteringLogObserver(inner, [LogLevelFilterPredicate(defaultLogLevel=level)])

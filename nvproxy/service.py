@@ -7,15 +7,20 @@ wires them together.  It is the only module that imports the global reactor
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
+from attrs import evolve
 from prometheus_client import CollectorRegistry
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 from twisted.python import usage
@@ -23,12 +28,12 @@ from twisted.python.failure import Failure
 
 from nvproxy import config as _config
 from nvproxy.admin import AdminError, admin_app
-from nvproxy.config import Config, EngineConfig, resolve_node_id
+from nvproxy.config import Config, EngineConfig, default_backend, resolve_node_id
 from nvproxy.discovery import Discovery, Endpoint, NodeEntry, PollingDiscovery
-from nvproxy.dispatch import DispatchPolicy, Dispatcher
+from nvproxy.dispatch import Dispatcher, DispatchPolicy
 from nvproxy.engines import ENGINES, Engine
 from nvproxy.facade import Facade
-from nvproxy.logs import json_observer
+from nvproxy.logs import configure_twistd
 from nvproxy.ports import PortStore, effective_port
 from nvproxy.site import FacadeSite
 from nvproxy.upstream import TreqInventoryClient, Upstream
@@ -44,10 +49,27 @@ class Options(_config.Options):
     """
 
     def postOptions(self) -> None:
-        super().postOptions()
+        try:
+            super().postOptions()
+        except usage.UsageError as e:
+            # One clear line, not twistd's whole usage text: the flags were
+            # fine, their values were not.
+            print(f"nvproxy: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         parent = getattr(self, "parent", None)
-        if self.config.log_format == "json" and parent is not None:
-            parent["logger"] = json_observer
+        level = os.environ.get("NVPROXY_LOG_LEVEL", "info").strip().lower()
+        if level not in ("debug", "info", "warn", "error", "critical"):
+            raise usage.UsageError(
+                f"NVPROXY_LOG_LEVEL: must be debug, info, warn, error or critical, "
+                f"got {level!r}"
+            )
+        if parent is not None and not parent.get("logger"):
+            parent["logger"] = configure_twistd(
+                self.config.log_format,
+                level,
+                parent.get("logfile"),
+                bool(parent.get("nodaemon")),
+            )
 
 
 def _server_endpoint(reactor: Any, interface: str, port: int) -> Any:
@@ -80,7 +102,7 @@ class PortListener(Service):
         self.ready: Deferred[bool] = Deferred()
 
     def startService(self) -> None:
-        super().startService()
+        super().startService()  # type: ignore[no-untyped-call]
         self._listen()
 
     def _listen(self) -> None:
@@ -95,7 +117,7 @@ class PortListener(Service):
             "{label} listening on {interface}:{port}",
             label=self.label,
             interface=self.interface,
-            port=port.getHost().port,
+            port=_port_of(port),
         )
         if not self.ready.called:
             self.ready.callback(True)
@@ -113,10 +135,11 @@ class PortListener(Service):
             self.ready.callback(False)
 
     def stopService(self) -> Deferred[None] | None:
-        super().stopService()
+        super().stopService()  # type: ignore[no-untyped-call]
         port, self.listening = self.listening, None
         if port is not None:
-            return port.stopListening()  # type: ignore[no-any-return]
+            stopped: Deferred[None] | None = port.stopListening()
+            return stopped
         return None
 
     def move(self, port: int) -> Deferred[None]:
@@ -133,14 +156,30 @@ class PortListener(Service):
             self.error = None
             log.info("{label} moved to port {port}", label=self.label, port=port)
             if old is not None:
-                await old.stopListening()
+                stopped = old.stopListening()
+                if stopped is not None:
+                    await stopped
 
         return Deferred.fromCoroutine(move())
 
     def bound_port(self) -> int | None:
         if self.listening is None:
             return None
-        return int(self.listening.getHost().port)
+        return _port_of(self.listening)
+
+
+def _effective(engine_config: EngineConfig, ports: PortStore) -> EngineConfig:
+    port = effective_port(engine_config, ports)
+    backend = engine_config.backend
+    if not engine_config.backend_configured:
+        backend = default_backend(engine_config.id, port)
+    return evolve(engine_config, port=port, backend=backend)
+
+
+def _port_of(port: IListeningPort) -> int:
+    address = port.getHost()
+    assert isinstance(address, (IPv4Address, IPv6Address))
+    return address.port
 
 
 def local_endpoints(config: Config, node_id: str) -> list[Endpoint]:
@@ -173,13 +212,21 @@ class NvProxy(MultiService):
     """
 
     def __init__(self, config: Config, reactor: Any, node_id: str) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.config = config
         self.reactor = reactor
         self.node_id = node_id
         self.pins: dict[str, str] = {}
         self.ports = PortStore(config.state_dir)
         self.registry = CollectorRegistry()
+        # Persisted ports (§8) win over configured ones; a default backend
+        # follows the facade's real port (the relocation rule).
+        self.engine_configs = {
+            engine_id: _effective(engine_config, self.ports)
+            for engine_id, engine_config in config.engines.items()
+        }
+        config = evolve(config, engines=self.engine_configs)
+        self.config = config
         self.upstream = Upstream(reactor, config.dispatch.dial_timeout)
         self.discovery = Discovery()
         self.polling = PollingDiscovery(
@@ -189,14 +236,14 @@ class NvProxy(MultiService):
             local_endpoints(config, node_id),
             interval=config.discovery_poll_interval,
         )
-        self.polling.setServiceParent(self)
+        self.polling.setServiceParent(self)  # type: ignore[no-untyped-call]
         dispatch = config.dispatch
         self.dispatcher = Dispatcher(
             reactor,
             DispatchPolicy(
                 max_attempts=dispatch.max_attempts,
                 deadline=dispatch.deadline,
-                backoff=dispatch.backoff,
+                backoff=dispatch.backoff,  # type: ignore[arg-type]
             ),
             random=random.Random().random,
         )
@@ -210,7 +257,7 @@ class NvProxy(MultiService):
             admin = admin_app(self, self.registry)
             site = _plain_site(admin.resource(), reactor)
             self.admin = PortListener(reactor, "admin API", host, port, site)
-            self.admin.setServiceParent(self)
+            self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
 
     def _add_facade(self, engine_config: EngineConfig) -> None:
         engine = ENGINES[engine_config.id]
@@ -234,7 +281,7 @@ class NvProxy(MultiService):
             header_timeout=limits.header_timeout,
             reactor=self.reactor,
         )
-        port = effective_port(engine_config, self.ports)
+        port = engine_config.port
         listener = PortListener(
             self.reactor,
             f"{engine.name} facade",
@@ -242,7 +289,7 @@ class NvProxy(MultiService):
             port,
             site,
         )
-        listener.setServiceParent(self)
+        listener.setServiceParent(self)  # type: ignore[no-untyped-call]
         self.facades[engine.id] = facade
         self.listeners[engine.id] = listener
 
@@ -258,7 +305,7 @@ class NvProxy(MultiService):
 
     def stopService(self) -> Deferred[Any]:
         self.dispatcher.shutdown()
-        d = super().stopService()
+        d = super().stopService()  # type: ignore[no-untyped-call]
         stopped: Deferred[Any] = d if isinstance(d, Deferred) else succeed(None)
         stopped.addBoth(lambda _: self.upstream.close())
         return stopped
@@ -306,6 +353,11 @@ class NvProxy(MultiService):
         listener = self.listeners.get(engine)
         if listener is None:
             raise AdminError(404, f"engine {engine!r} is not enabled")
+        backend = urlsplit(self.engine_configs[engine].backend)
+        if backend.port == port and _config.is_loopback(backend.hostname or ""):
+            raise AdminError(
+                409, f"port {port} is where this node's {engine} engine is"
+            )
         try:
             await listener.move(port)
         except Exception as e:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.interfaces import IAddress
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
@@ -36,12 +36,11 @@ class FacadeRequest(Request):
     multipart upload into memory.
     """
 
-    site: FacadeSite
     _received = 0
     _rejected = False
 
     def gotLength(self, length: int | None) -> None:
-        limit = self.channel.site.max_body if self.channel else None
+        limit = _site(self).max_body if self.channel else None
         if limit is not None and length is not None and length > limit:
             self._too_large()
             return
@@ -51,7 +50,7 @@ class FacadeRequest(Request):
         if self._rejected:
             return
         self._received += len(data)
-        limit = self.channel.site.max_body
+        limit = _site(self).max_body
         if self._received > limit:
             self._too_large()
             return
@@ -59,9 +58,10 @@ class FacadeRequest(Request):
 
     def _too_large(self) -> None:
         self._rejected = True
-        site = self.channel.site
+        site = _site(self)
         body = site.error_body(413, f"request body exceeds {site.max_body} bytes")
         transport = self.channel.transport
+        assert transport is not None
         transport.write(
             b"HTTP/1.1 413 Request Entity Too Large\r\n"
             b"Content-Type: application/json\r\n"
@@ -86,12 +86,20 @@ class FacadeRequest(Request):
         Request.process(self)
 
 
+def _site(request: Request) -> FacadeSite:
+    site = request.channel.site  # type: ignore[attr-defined]
+    assert isinstance(site, FacadeSite)
+    return site
+
+
 class _CountedChannel(HTTPChannel):
     def connectionMade(self) -> None:
         self.site.connections += 1
         HTTPChannel.connectionMade(self)
 
-    def connectionLost(self, reason: Failure) -> None:
+    site: FacadeSite
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.connections -= 1
         HTTPChannel.connectionLost(self, reason)
 
@@ -118,7 +126,7 @@ class FacadeSite(Site):
     """
 
     protocol = _CountedChannel  # type: ignore[assignment]
-    requestFactory = FacadeRequest  # type: ignore[assignment]
+    requestFactory = FacadeRequest
     noisy = False
 
     def __init__(
@@ -138,7 +146,7 @@ class FacadeSite(Site):
         self.connections = 0
         self.displayTracebacks = False
 
-    def buildProtocol(self, addr: IAddress) -> Any:
+    def buildProtocol(self, addr: IAddress | None) -> Any:
         if self.connections >= self.max_connections:
             log.warn(
                 "connection limit {limit} reached, refusing a client",
@@ -147,6 +155,6 @@ class FacadeSite(Site):
             return _Overloaded(self.error_body(503, "too many connections"))
         return Site.buildProtocol(self, addr)
 
-    def log(self, request: Request) -> None:
+    def log(self, request: Any) -> None:
         # Access logging goes through the facade's structured events.
         pass

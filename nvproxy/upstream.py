@@ -22,11 +22,17 @@ from twisted.internet.interfaces import (
 )
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import Cooperator
-from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool
-from twisted.web.client import _HTTP11ClientFactory
+from twisted.web.client import (
+    Agent,
+    FileBodyProducer,
+    HTTPConnectionPool,
+    _HTTP11ClientFactory,
+)
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, UNKNOWN_LENGTH
+from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IBodyProducer
 from zope.interface import implementer
+
+from nvproxy.discovery import InventoryClient
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
 HOP_BY_HOP = frozenset(
@@ -183,10 +189,14 @@ class Upstream:
         self.cooperator = Cooperator(scheduler=lambda f: reactor.callLater(0, f))
 
     def close(self) -> Deferred[None]:
-        return self.pool.closeCachedConnections()
+        closed: Deferred[None] = self.pool.closeCachedConnections()
+        return closed
 
 
-class TreqInventoryClient:
+_ACCEPT_JSON: dict[bytes | str, list[bytes | str]] = {b"accept": [b"application/json"]}
+
+
+class TreqInventoryClient(InventoryClient):
     """
     L{nvproxy.discovery.InventoryClient} over treq on the shared pool.
     """
@@ -197,7 +207,7 @@ class TreqInventoryClient:
 
     def get_json(self, url: str, timeout: float) -> Deferred[Any]:
         async def get() -> Any:
-            response = await self._client.get(url, headers={"Accept": ["application/json"]})
+            response = await self._client.get(url, headers=_ACCEPT_JSON)
             if response.code != 200:
                 await treq.content(response)
                 raise ValueError(f"HTTP {response.code}")

@@ -6,7 +6,6 @@ engines with scripted behaviour.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import reactor
@@ -119,9 +118,7 @@ class ForwardingTests(ProxyTestCase):
             {"model": "qwen", "stream": True, "messages": []},
         )
         self.assertEqual(code, 200)
-        self.assertEqual(
-            headers.getRawHeaders(b"content-type"), [b"text/event-stream"]
-        )
+        self.assertEqual(headers.getRawHeaders(b"content-type"), [b"text/event-stream"])
         events = [e for e in body.split(b"\n\n") if e]
         self.assertEqual(events[-1], b"data: [DONE]")
 
@@ -187,7 +184,9 @@ class ForwardingTests(ProxyTestCase):
         A non-retryable engine answer is the client's answer, body intact.
         """
         fake = await self.engine("openai", ["qwen"])
-        fake.default = Behaviour(status=400, body=b'{"error":"bad request, engine says"}')
+        fake.default = Behaviour(
+            status=400, body=b'{"error":"bad request, engine says"}'
+        )
         proxy = await self.proxy({"lmstudio": fake.url})
         code, headers, body = await self.post(
             facade_url(proxy, "lmstudio") + "/v1/chat/completions",
@@ -209,12 +208,16 @@ class ForwardingTests(ProxyTestCase):
         boundary = "XyZ"
         audio = bytes(range(256)) * 4000
         body = (
-            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
-            f'filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n'
-        ).encode() + audio + (
-            f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="model"'
-            f"\r\n\r\nwhisper\r\n--{boundary}--\r\n"
-        ).encode()
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+                f'filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n'
+            ).encode()
+            + audio
+            + (
+                f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="model"'
+                f"\r\n\r\nwhisper\r\n--{boundary}--\r\n"
+            ).encode()
+        )
         code, headers, answer = await self.client.request(
             "POST",
             facade_url(proxy, "vllm") + "/v1/audio/transcriptions",
@@ -259,9 +262,7 @@ class ErrorTests(ProxyTestCase):
         )
         self.assertEqual(code, 502)
         self.assertIn("llama3:latest", json.loads(body)["error"])
-        self.assertEqual(
-            [r.path for r in fake.requests if r.path != "/api/tags"], []
-        )
+        self.assertEqual([r.path for r in fake.requests if r.path != "/api/tags"], [])
 
     async def test_no_engine_running(self) -> None:
         """
@@ -337,7 +338,9 @@ class InventoryTests(ProxyTestCase):
             )
             listing = json.loads(body)
             self.assertEqual(listing["object"], "list")
-            self.assertEqual(sorted(m["id"] for m in listing["data"]), ["small", "tiny"])
+            self.assertEqual(
+                sorted(m["id"] for m in listing["data"]), ["small", "tiny"]
+            )
 
     async def test_routes_to_the_owner(self) -> None:
         """
@@ -363,7 +366,9 @@ class InventoryTests(ProxyTestCase):
         fake = await self.engine("ollama", ["m:latest"])
         proxy = await self.proxy({"ollama": fake.url})
         snapshot = proxy.discovery.current
-        self.assertEqual([e.node_id for e in snapshot.owners("ollama", "m:latest")], ["local"])
+        self.assertEqual(
+            [e.node_id for e in snapshot.owners("ollama", "m:latest")], ["local"]
+        )
         await fake.stop()
         await proxy.polling.poll()
         self.assertEqual(proxy.discovery.current.owners("ollama", "m:latest"), ())
@@ -396,7 +401,3 @@ class IsolationTests(ProxyTestCase):
             facade_url(proxy, "vllm") + "/v1/chat/completions", {"model": "m"}
         )
         self.assertEqual(code, 200)
-
-
-def _unused(_: Callable[[], None]) -> None:
-    pass

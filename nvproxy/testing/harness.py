@@ -82,7 +82,7 @@ async def start_proxy(reactor: Any, config: Config) -> NvProxy:
     the first inventory poll finished.
     """
     proxy = build(config, reactor, hostname="local")
-    proxy.startService()
+    proxy.startService()  # type: ignore[no-untyped-call]
     await proxy.ready()
     await proxy.polling.poll()
     return proxy
@@ -111,4 +111,5 @@ class Client:
         return response.code, response.headers, body
 
     def close(self) -> Deferred[None]:
-        return self.pool.closeCachedConnections()
+        closed: Deferred[None] = self.pool.closeCachedConnections()
+        return closed

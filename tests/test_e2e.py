@@ -1,0 +1,235 @@
+"""
+End to end: C{twistd -n nvproxy --config ...} as a subprocess, driven by the
+official C{openai} and C{ollama} Python clients (each run in a subprocess of
+its own, since they block) against fake engines served by this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import deferLater
+from twisted.internet.utils import getProcessOutputAndValue
+from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
+
+from nvproxy.testing.fakeengine import Behaviour, FakeEngine
+from nvproxy.testing.harness import Client, free_port
+
+SECRET = "PROMPT-CANARY-7f3a9c"
+"""Sent as the prompt in every request; must never appear in the log."""
+
+
+class _Twistd(ProcessProtocol):
+    def __init__(self) -> None:
+        self.output = bytearray()
+        self.ended: Deferred[int] = Deferred()
+
+    def outReceived(self, data: bytes) -> None:
+        self.output += data
+
+    errReceived = outReceived
+
+    def processEnded(self, reason: Failure) -> None:
+        code = 0
+        if reason.check(ProcessTerminated):
+            value = reason.value
+            # twistd re-raises the signal it stopped on: -SIGTERM is clean.
+            code = value.exitCode if value.exitCode is not None else -value.signal
+        elif not reason.check(ProcessDone):
+            code = -1
+        self.ended.callback(code)
+
+
+def _twistd_argv(*args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from twisted.scripts.twistd import run; sys.exit(run())",
+        "-n",
+        "--pidfile=",
+        "nvproxy",
+        *args,
+    ]
+
+
+async def run_client(script: str, timeout: float = 60.0) -> tuple[bytes, bytes, int]:
+    d = getProcessOutputAndValue(
+        sys.executable, ["-c", textwrap.dedent(script)], env=dict(os.environ)
+    )
+    d.addTimeout(timeout, reactor)
+    out, err, code = await d
+    return out, err, code
+
+
+class EndToEndTests(TestCase):
+    timeout = 120
+
+    async def start(self, config: str, *extra: str) -> tuple[_Twistd, int]:
+        directory = os.path.abspath(self.mktemp())
+        os.makedirs(directory)
+        path = os.path.join(directory, "nvproxy.toml")
+        with open(path, "w") as f:
+            f.write(config)
+        protocol = _Twistd()
+        process = reactor.spawnProcess(
+            protocol,
+            sys.executable,
+            _twistd_argv("--config", path, "--state-dir", directory, *extra),
+            env=dict(os.environ),
+            path=directory,
+        )
+
+        async def stop() -> None:
+            if not protocol.ended.called:
+                process.signalProcess(signal.SIGTERM)
+                await protocol.ended
+
+        self.addCleanup(lambda: Deferred.fromCoroutine(stop()))
+        return protocol, process.pid
+
+    async def wait_for(self, protocol: _Twistd, url: str) -> None:
+        client = Client(reactor, persistent=False)
+        try:
+            for _ in range(200):
+                if protocol.ended.called:
+                    self.fail(f"twistd exited:\n{protocol.output.decode()}")
+                try:
+                    code, _, body = await client.request("GET", url)
+                    if code == 200 and json.loads(body)["nodes"]:
+                        return
+                except Exception:
+                    pass
+                await deferLater(reactor, 0.1, lambda: None)
+            self.fail(f"nvproxy did not come up:\n{protocol.output.decode()}")
+        finally:
+            await client.close()
+
+    async def test_sdk_clients(self) -> None:
+        """
+        The openai and ollama SDKs work unchanged through nvproxy, streaming
+        and not, and the prompt never reaches the log.
+        """
+        ollama = FakeEngine("ollama", ["llama3:latest"], reactor)
+        ollama.default = Behaviour(chunks=8)
+        await ollama.listen(reactor)
+        self.addCleanup(ollama.stop)
+        openai = FakeEngine("openai", ["qwen"], reactor)
+        openai.default = Behaviour(chunks=8)
+        await openai.listen(reactor)
+        self.addCleanup(openai.stop)
+        ports = {"ollama": free_port(), "vllm": free_port(), "admin": free_port()}
+        config = f"""
+            node_id = "e2e"
+            [admin]
+            listen = "127.0.0.1:{ports["admin"]}"
+            [discovery]
+            poll_interval = "100ms"
+            [engines.ollama]
+            port = {ports["ollama"]}
+            backend = "{ollama.url}"
+            [engines.vllm]
+            port = {ports["vllm"]}
+            backend = "{openai.url}"
+            [engines.lmstudio]
+            enabled = false
+            [engines.llamacpp]
+            enabled = false
+        """
+        protocol, pid = await self.start(
+            textwrap.dedent(config), "--log-format", "json"
+        )
+        await self.wait_for(protocol, f"http://127.0.0.1:{ports['admin']}/admin/status")
+
+        out, err, code = await run_client(
+            f"""
+            import json, openai
+            client = openai.OpenAI(base_url="http://127.0.0.1:{ports["vllm"]}/v1",
+                                   api_key="unused", max_retries=0, timeout=30)
+            answer = client.chat.completions.create(
+                model="qwen", messages=[{{"role": "user", "content": "{SECRET}"}}])
+            chunks = list(client.chat.completions.create(
+                model="qwen", stream=True,
+                messages=[{{"role": "user", "content": "{SECRET}"}}]))
+            models = [m.id for m in client.models.list()]
+            try:
+                client.chat.completions.create(model="nope", messages=[])
+                missing = None
+            except openai.APIStatusError as e:
+                missing = e.status_code
+            print(json.dumps({{
+                "content": answer.choices[0].message.content,
+                "usage": answer.usage.completion_tokens,
+                "chunks": len(chunks),
+                "models": models,
+                "missing": missing,
+            }}))
+            """
+        )
+        self.assertEqual(code, 0, err.decode())
+        result = json.loads(out)
+        self.assertTrue(result["content"])
+        self.assertEqual(result["usage"], 8)
+        self.assertGreaterEqual(result["chunks"], 8)
+        self.assertEqual(result["models"], ["qwen"])
+        self.assertEqual(result["missing"], 502)
+
+        out, err, code = await run_client(
+            f"""
+            import json, ollama
+            client = ollama.Client(host="http://127.0.0.1:{ports["ollama"]}")
+            answer = client.generate(model="llama3", prompt="{SECRET}")
+            streamed = list(client.chat(model="llama3", stream=True,
+                messages=[{{"role": "user", "content": "{SECRET}"}}]))
+            names = [m.model for m in client.list().models]
+            print(json.dumps({{
+                "response": answer.response,
+                "eval_count": answer.eval_count,
+                "parts": len(streamed),
+                "done": streamed[-1].done,
+                "names": names,
+            }}))
+            """
+        )
+        self.assertEqual(code, 0, err.decode())
+        result = json.loads(out)
+        self.assertTrue(result["response"])
+        self.assertEqual(result["eval_count"], 8)
+        self.assertEqual(result["parts"], 9)
+        self.assertTrue(result["done"])
+        self.assertEqual(result["names"], ["llama3:latest"])
+
+        # The engines saw the prompt; the log never did.
+        self.assertTrue(any(SECRET.encode() in r.body for r in ollama.requests))
+        # Stop it so every log line is flushed, then read them all.
+        os.kill(pid, signal.SIGTERM)
+        self.assertIn(await protocol.ended, (0, -signal.SIGTERM))
+        log_text = protocol.output.decode()
+        self.assertNotIn(SECRET, log_text)
+        lines = [line for line in log_text.splitlines() if line.strip()]
+        self.assertTrue(lines)
+        for line in lines:
+            record = json.loads(line)
+            self.assertIn("message", record)
+
+    async def test_bad_config_one_line(self) -> None:
+        """
+        A bad config exits non-zero with one line naming the key; no
+        traceback.
+        """
+        protocol, _ = await self.start('[dispatch]\nmax_attempts = "five"\n')
+        code = await protocol.ended
+        self.assertNotEqual(code, 0)
+        output = protocol.output.decode()
+        self.assertEqual(
+            output.strip().splitlines(),
+            ['nvproxy: dispatch.max_attempts: must be an integer >= 1, got "five"'],
+        )
