@@ -1,0 +1,266 @@
+# -*- test-case-name: tests.test_listener -*-
+"""
+One facade port, two personalities, told apart by the connection's first byte (§7).
+
+A TLS ClientHello always starts with the handshake record type ``0x16``; an HTTP
+request line never does. So::
+
+    accept ─► connectionMade: note whether the peer is loopback
+                 │   (not loopback and no TLS personality ─► close now)
+                 │   start the first-byte timer
+                 ▼
+              first byte ── 0x16 ──► TLS personality  (mTLS, any peer address)
+                 │                      no TLS configured ─► close
+                 └─ else ───────────► plaintext personality (loopback peers only)
+                                        other peers ─► close, nothing parsed
+              timer fires first ───► abort the connection
+
+The chosen personality's protocol is connected to the *real* transport and handed
+every byte received so far, then every later byte, so producer/consumer flow control,
+``getPeer``/``getHost`` and (for TLS) ``getPeerCertificate`` behave exactly as on a
+dedicated port.
+
+Loopback means 127.0.0.0/8, ``::1`` and IPv4-mapped ``::ffff:127.0.0.0/104`` (a
+dual-stack listener sees IPv4 clients that way; ``ipaddress`` does not call those
+loopback on Python 3.11, so the mapping is unwrapped first).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+
+from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IListeningPort,
+    IOpenSSLServerConnectionCreator,
+    IProtocol,
+    IProtocolFactory,
+    IReactorTCP,
+    IReactorTime,
+    ITCPTransport,
+)
+from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
+from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python.failure import Failure
+
+__all__ = [
+    "TLS_HANDSHAKE_RECORD",
+    "DemuxFactory",
+    "is_loopback",
+    "listen_facade",
+    "tls_personality",
+]
+
+log = Logger()
+
+#: The first byte of every TLS connection: a handshake record (the ClientHello).
+TLS_HANDSHAKE_RECORD = 0x16
+
+
+def is_loopback(address: IAddress) -> bool:
+    """
+    Is C{address} a loopback IP address (127.0.0.0/8, ::1, ::ffff:127.x.x.x)?
+
+    Anything that is not an IPv4 or IPv6 address (a UNIX socket, an unparsable host)
+    is not loopback: the plaintext personality is opened only to what is certainly
+    this machine over IP.
+    """
+    if not isinstance(address, IPv4Address | IPv6Address):
+        return False
+    try:
+        ip = ipaddress.ip_address(address.host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+class _DemuxProtocol(Protocol):
+    """
+    Waits for the first byte, then becomes a pipe to the chosen personality.
+
+    States: I{waiting} (C{_timer} set, C{_inner} None), I{handed off} (C{_inner}
+    set), I{closed} (C{_closed} true; every later byte is dropped).
+    """
+
+    def __init__(self, factory: DemuxFactory, addr: IAddress) -> None:
+        self._factory = factory
+        self._addr = addr
+        self._inner: IProtocol | None = None
+        self._timer: IDelayedCall | None = None
+        self._closed = False
+        self._plaintext_allowed = False
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        peer = self.transport.getPeer()
+        self._plaintext_allowed = self._factory.allow_plaintext_from(peer)
+        if not self._plaintext_allowed and self._factory.tls is None:
+            # This peer can only ever be refused: do not wait for its first byte.
+            log.info(
+                "refused connection from non-loopback peer {peer}: no TLS personality",
+                peer=str(peer),
+            )
+            self._close()
+            return
+        self._timer = self._factory.clock.callLater(
+            self._factory.first_byte_timeout, self._first_byte_timed_out
+        )
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.dataReceived(data)
+            return
+        if self._closed or not data:
+            return
+        self._cancel_timer()
+        assert self.transport is not None
+        peer = self.transport.getPeer()
+        factory: IProtocolFactory
+        if data[0] == TLS_HANDSHAKE_RECORD:
+            if self._factory.tls is None:
+                log.info(
+                    "refused TLS connection from {peer}: no TLS personality",
+                    peer=str(peer),
+                )
+                self._close()
+                return
+            factory = self._factory.tls
+        else:
+            if not self._plaintext_allowed:
+                log.info(
+                    "refused plaintext connection from non-loopback peer {peer}",
+                    peer=str(peer),
+                )
+                self._close()
+                return
+            factory = self._factory.plaintext
+        inner = factory.buildProtocol(self._addr)
+        if inner is None:
+            self._close()
+            return
+        self._inner = inner
+        inner.makeConnection(self.transport)
+        inner.dataReceived(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._cancel_timer()
+        self._closed = True
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.connectionLost(reason)
+
+    def _first_byte_timed_out(self) -> None:
+        self._timer = None
+        assert self.transport is not None
+        log.debug(
+            "dropped {peer}: no first byte within {timeout}s",
+            peer=str(self.transport.getPeer()),
+            timeout=self._factory.first_byte_timeout,
+        )
+        self._closed = True
+        transport = self.transport
+        if ITCPTransport.providedBy(transport):
+            ITCPTransport(transport).abortConnection()
+        else:
+            transport.loseConnection()
+
+    def _cancel_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _close(self) -> None:
+        self._cancel_timer()
+        self._closed = True
+        assert self.transport is not None
+        self.transport.loseConnection()
+
+
+class DemuxFactory(ServerFactory):
+    """
+    A listening port's factory that hands each connection to C{tls} (first byte
+    0x16) or to C{plaintext} (anything else, peers accepted by
+    C{allow_plaintext_from} only).
+
+    @param plaintext: builds the plaintext personality (e.g. a twisted.web C{Site}).
+    @param tls: builds the TLS personality, normally L{tls_personality}; L{None}
+        closes every TLS connection.
+    @param clock: schedules the first-byte timeout.
+    @param first_byte_timeout: seconds a connection may stay silent before its
+        first byte; it is then aborted.
+    @param allow_plaintext_from: the loopback gate.
+    """
+
+    def __init__(
+        self,
+        plaintext: IProtocolFactory,
+        tls: IProtocolFactory | None,
+        clock: IReactorTime,
+        first_byte_timeout: float = 10.0,
+        allow_plaintext_from: Callable[[IAddress], bool] = is_loopback,
+    ) -> None:
+        self.plaintext = plaintext
+        self.tls = tls
+        self.clock = clock
+        self.first_byte_timeout = first_byte_timeout
+        self.allow_plaintext_from = allow_plaintext_from
+
+    def _personalities(self) -> list[IProtocolFactory]:
+        return [self.plaintext] if self.tls is None else [self.plaintext, self.tls]
+
+    def startFactory(self) -> None:
+        for factory in self._personalities():
+            factory.doStart()
+
+    def stopFactory(self) -> None:
+        for factory in self._personalities():
+            factory.doStop()
+
+    def buildProtocol(self, addr: IAddress | None) -> _DemuxProtocol:
+        assert addr is not None
+        protocol = _DemuxProtocol(self, addr)
+        protocol.factory = self
+        return protocol
+
+
+def tls_personality(
+    creator: IOpenSSLServerConnectionCreator,
+    wrapped: IProtocolFactory,
+    clock: IReactorTime,
+) -> TLSMemoryBIOFactory:
+    """
+    The TLS personality: C{wrapped} (e.g. a C{Site}) behind a server-side TLS
+    layer whose connections come from C{creator} (see L{nvproxy.cluster.ServerTLS}).
+    """
+    return TLSMemoryBIOFactory(creator, False, wrapped, clock)
+
+
+def listen_facade(
+    reactor: IReactorTCP,
+    clock: IReactorTime,
+    port: int,
+    interface: str,
+    plaintext: IProtocolFactory,
+    tls: IProtocolFactory | None,
+    *,
+    first_byte_timeout: float = 10.0,
+) -> Deferred[IListeningPort]:
+    """
+    Listen on C{interface}:C{port} with a L{DemuxFactory} (what C{TCP4ServerEndpoint}
+    and C{TCP6ServerEndpoint} do, typed). An IPv6 interface such as ``"::"`` is
+    dual-stack on most systems, which is where the IPv4-mapped loopback form comes
+    from. A port that cannot be bound fails the Deferred with C{CannotListenError}.
+    """
+    factory = DemuxFactory(plaintext, tls, clock, first_byte_timeout)
+    try:
+        listening = reactor.listenTCP(port, factory, interface=interface)
+    except Exception:
+        return fail()
+    return succeed(listening)
