@@ -712,6 +712,9 @@ def _dispatch(table: dict[str, object], overrides: _Overrides) -> DispatchConfig
         steps = tuple(_duration(item, zero=True) for item in _items(value))
         if not steps:
             raise ConfigError(value.key, "must list at least one duration")
+        if steps[-1] <= 0:
+            # The last step repeats while waiting for an owner: 0 would spin.
+            raise ConfigError(value.key, "the last duration must be above 0")
         result = attrs.evolve(result, backoff=steps)
     return result
 

@@ -601,6 +601,10 @@ class ValidationTests(LoadTestsMixin):
                     "dispatch.backoff: must list at least one duration",
                 ),
                 (
+                    "[dispatch]\nbackoff = ['1s', '0s']\n",
+                    "dispatch.backoff: the last duration must be above 0",
+                ),
+                (
                     "[dispatch]\nbackoff = ['1s', 'x']\n",
                     f'dispatch.backoff[1]: {expected}"x"',
                 ),
