@@ -35,7 +35,7 @@ class AdminBackend(Protocol):
 
     def select(self, engine: str, node: str | None) -> Mapping[str, Any]: ...
 
-    def workloads(self, limit: int) -> list[Any]: ...
+    def recent_workloads(self, limit: int) -> list[Any]: ...
 
 
 class AdminError(Exception):
@@ -102,7 +102,7 @@ def admin_app(
             raise AdminError(400, "limit must be an integer") from None
         if not 1 <= limit <= 10000:
             raise AdminError(400, "limit must be between 1 and 10000")
-        return _json(request, 200, {"workloads": backend.workloads(limit)})
+        return _json(request, 200, {"workloads": backend.recent_workloads(limit)})
 
     @app.route("/admin/engines/<name>/port", methods=["PUT"])
     async def set_port(request: Any, name: str) -> bytes:

@@ -41,6 +41,7 @@ from nvproxy.dispatch import (
     StreamEnd,
     is_retryable_status,
 )
+from nvproxy.inferstats import StatsMeter
 from nvproxy.upstream import REQUEST_DROP, body_producer, end_to_end
 
 log = Logger()
@@ -184,8 +185,12 @@ class HttpAttempt:
         final: bool,
         response_timeout: float,
         cooperator: Any,
+        meter: StatsMeter | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.node_id = node_id
+        self._meter = meter
+        self._on_failure = on_failure
         self.result: Deferred[Committed | AttemptFailed] = Deferred()
         self._clock = clock
         self._client = client
@@ -225,6 +230,8 @@ class HttpAttempt:
 
     def _fail(self, kind: FailureKind, status: int | None = None) -> None:
         self._stop_timer()
+        if self._on_failure is not None:
+            self._on_failure(kind.value)
         if not self.result.called:
             self.result.callback(AttemptFailed(self.node_id, kind, status))
 
@@ -289,9 +296,23 @@ class HttpAttempt:
         gate = self._gate
         assert gate is not None
         client = self._client
-        client.request.write(data)
+        write = client.request.write
+        meter = self._meter
+        response = self._response
+        assert response is not None
+        if meter is not None and response.code < 400:
+            # Stats (§5.5) see each chunk once: O(chunk), no parsing.
+            feed = meter.feed
+            plain = write
+
+            def relay(data: bytes) -> None:
+                plain(data)
+                feed(data)
+
+            write = relay
+        write(data)
         if self._state is _State.COMMITTED and not client.gone:
-            gate.dataReceived = client.request.write  # type: ignore[method-assign]
+            gate.dataReceived = write  # type: ignore[method-assign]
             client.request.registerProducer(gate.transport, True)
             self._producer_registered = True
 

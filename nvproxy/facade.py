@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import treq
 from klein import Klein
@@ -29,25 +29,20 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IAgent
 
+from nvproxy.accounting import Accounting, RequestAccounting
 from nvproxy.attempt import ClientSide, HttpAttempt, UpstreamRequest
 from nvproxy.bodies import BadBody, media_type, model_from_json, model_from_multipart
 from nvproxy.discovery import Discovery, Endpoint, NodeEntry
 from nvproxy.dispatch import (
     Dispatcher,
-    JobObserver,
     JobOutcome,
     RejectReason,
     Target,
 )
 from nvproxy.engines import Engine, RouteKind
+from nvproxy.inferstats import StatsMeter
 
 log = Logger()
-
-
-class ObserverFactory(Protocol):
-    def __call__(
-        self, engine: Engine, model: str | None, kind: RouteKind
-    ) -> JobObserver | None: ...
 
 
 class HttpTarget:
@@ -67,8 +62,12 @@ class HttpTarget:
         client: ClientSide,
         response_timeout: float,
         cooperator: Any,
+        meter: StatsMeter | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.node_id = node_id
+        self._meter = meter
+        self._on_failure = on_failure
         self._url = url
         self._agent = agent
         self._clock = clock
@@ -88,6 +87,8 @@ class HttpTarget:
             final=final,
             response_timeout=self._timeout,
             cooperator=self._cooperator,
+            meter=self._meter,
+            on_failure=self._on_failure,
         )
 
 
@@ -126,10 +127,8 @@ class Facade:
         clock: IReactorTime,
         response_timeout: float,
         cooperator: Any,
-        observers: ObserverFactory | None = None,
+        accounting: Accounting,
         hidden: Callable[[bytes], bool] | None = None,
-        order: Callable[[Engine, str | None, Sequence[NodeEntry]], Sequence[NodeEntry]]
-        | None = None,
     ) -> None:
         self.engine = engine
         self._discovery = discovery
@@ -139,9 +138,8 @@ class Facade:
         self._clock = clock
         self._timeout = response_timeout
         self._cooperator = cooperator
-        self._observers = observers
+        self._accounting = accounting
         self._hidden = hidden
-        self._order = order
         app = Klein()
         # Paths reach the facade exactly as sent: no slash merging or
         # redirects, the upstream decides what a path means.
@@ -220,14 +218,12 @@ class Facade:
             content=request.content,
             inference=kind is RouteKind.INFERENCE,
         )
-        resolver = self._resolver(model, upstream, client)
+        accounting = self._accounting.begin(self.engine, model, kind)
+        resolver = self._resolver(model, upstream, client, accounting)
         if kind is not RouteKind.INFERENCE:
             # Non-inference requests resolve candidates exactly once (§5.1).
             once = list(resolver())
             resolver = lambda: once  # noqa: E731
-        observer = (
-            self._observers(self.engine, model, kind) if self._observers else None
-        )
         log.debug(
             "{engine} {kind} {method} {path} model={model}",
             engine=self.engine.id,
@@ -240,7 +236,7 @@ class Facade:
             resolver,
             _Sink(client, model),
             inference=kind is RouteKind.INFERENCE,
-            observer=observer,
+            observer=accounting,
             subscribe=self._subscribe,
         )
         d.addErrback(_cancelled_is_fine)
@@ -256,7 +252,11 @@ class Facade:
         return model_from_json(request.content)
 
     def _resolver(
-        self, model: str | None, upstream: UpstreamRequest, client: ClientSide
+        self,
+        model: str | None,
+        upstream: UpstreamRequest,
+        client: ClientSide,
+        accounting: RequestAccounting,
     ) -> Callable[[], Sequence[Target]]:
         engine = self.engine
 
@@ -266,20 +266,23 @@ class Facade:
                 entries: Sequence[NodeEntry] = snapshot.owners(engine.id, model)
             else:
                 entries = snapshot.nodes(engine.id)
-            if self._order is not None:
-                entries = self._order(engine, model, entries)
+            entries = accounting.order(entries)
             targets: list[Target] = []
             for entry in entries:
                 endpoint = (
                     entry.models[model] if model is not None else entry.endpoints[0]
                 )
-                targets.append(self._target(endpoint, upstream, client))
+                targets.append(self._target(endpoint, upstream, client, accounting))
             return targets
 
         return resolve
 
     def _target(
-        self, endpoint: Endpoint, upstream: UpstreamRequest, client: ClientSide
+        self,
+        endpoint: Endpoint,
+        upstream: UpstreamRequest,
+        client: ClientSide,
+        accounting: RequestAccounting,
     ) -> Target:
         url = endpoint.base_url.rstrip("/").encode("ascii") + upstream.path
         return HttpTarget(
@@ -291,6 +294,8 @@ class Facade:
             client=client,
             response_timeout=self._timeout,
             cooperator=self._cooperator,
+            meter=accounting.meter,
+            on_failure=accounting.failed_attempt,
         )
 
     # -- inventory --------------------------------------------------------

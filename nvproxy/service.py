@@ -9,34 +9,39 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from attrs import evolve
 from prometheus_client import CollectorRegistry
 from twisted.application.service import MultiService, Service
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
-from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
 
 from nvproxy import config as _config
+from nvproxy.accounting import Accounting
 from nvproxy.admin import AdminError, admin_app
 from nvproxy.config import Config, EngineConfig, default_backend, resolve_node_id
-from nvproxy.discovery import Discovery, Endpoint, NodeEntry, PollingDiscovery
+from nvproxy.discovery import Discovery, Endpoint, PollingDiscovery
 from nvproxy.dispatch import Dispatcher, DispatchPolicy
-from nvproxy.engines import ENGINES, Engine
+from nvproxy.engines import ENGINES
 from nvproxy.facade import Facade
 from nvproxy.logs import configure_twistd
+from nvproxy.metrics import Metrics
 from nvproxy.ports import PortStore, effective_port
+from nvproxy.scheduler import ReservationMap
 from nvproxy.site import FacadeSite
 from nvproxy.upstream import TreqInventoryClient, Upstream
+from nvproxy.workload import RingSink, WorkloadRecorder
 
 log = Logger()
 
@@ -243,9 +248,24 @@ class NvProxy(MultiService):
             DispatchPolicy(
                 max_attempts=dispatch.max_attempts,
                 deadline=dispatch.deadline,
-                backoff=dispatch.backoff,  # type: ignore[arg-type]
+                backoff=dispatch.backoff,
             ),
             random=random.Random().random,
+        )
+        self.reservations = ReservationMap()
+        self.workloads = RingSink(maxlen=1000)
+        self.metrics = Metrics(self.registry, self._reservation_counts)
+        self.accounting = Accounting(
+            reactor,
+            self.reservations,
+            WorkloadRecorder(
+                reactor,
+                [self.workloads],
+                run_id=secrets.token_hex(8),
+                originated_from=node_id,
+            ),
+            self.metrics,
+            self.pins,
         )
         self.facades: dict[str, Facade] = {}
         self.listeners: dict[str, PortListener] = {}
@@ -270,7 +290,7 @@ class NvProxy(MultiService):
             clock=self.reactor,
             response_timeout=self.config.dispatch.response_header_timeout,
             cooperator=self.upstream.cooperator,
-            order=self._order,
+            accounting=self.accounting,
         )
         limits = self.config.limits
         site = FacadeSite(
@@ -293,15 +313,10 @@ class NvProxy(MultiService):
         self.facades[engine.id] = facade
         self.listeners[engine.id] = listener
 
-    def _order(
-        self, engine: Engine, model: str | None, entries: Sequence[NodeEntry]
-    ) -> Sequence[NodeEntry]:
-        pin = self.pins.get(engine.id)
-        if pin is None:
-            return entries
-        # An eligible pin goes first; an ineligible one changes nothing (§5).
-        pinned = [e for e in entries if e.node_id == pin]
-        return pinned + [e for e in entries if e.node_id != pin]
+    def _reservation_counts(self) -> Mapping[str, int]:
+        snapshot = self.discovery.current
+        nodes = {node for entries in snapshot.engines.values() for node in entries}
+        return {node: self.reservations.reservations(node) for node in sorted(nodes)}
 
     def stopService(self) -> Deferred[Any]:
         self.dispatcher.shutdown()
@@ -344,6 +359,8 @@ class NvProxy(MultiService):
             "nodes": nodes,
             "inflight": self.dispatcher.inflight(),
             "generation": snapshot.generation,
+            "reservations": dict(self._reservation_counts()),
+            "loads": dict(self.reservations.snapshot_of_loads()),
         }
 
     def set_port(self, engine: str, port: int) -> Deferred[Mapping[str, Any]]:
@@ -374,8 +391,8 @@ class NvProxy(MultiService):
             self.pins[engine] = node
         return {"engine": engine, "selected": node}
 
-    def workloads(self, limit: int) -> list[Any]:
-        return []
+    def recent_workloads(self, limit: int) -> list[Any]:
+        return self.workloads.recent(limit)
 
 
 def _plain_site(resource: Any, reactor: Any) -> IProtocolFactory:

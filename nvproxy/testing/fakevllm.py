@@ -392,7 +392,7 @@ class FakeVLLM:
 
     def listen(self, reactor: IReactorTCP, port: int = 0) -> int:
         """Listen on 127.0.0.1 (``port=0``: any free port); return the port."""
-        site = Site(self.resource())  # type: ignore[no-untyped-call]
+        site = Site(self.resource())
         site.noisy = False
         self._reactor = reactor
         self._port = reactor.listenTCP(

@@ -1,0 +1,166 @@
+# -*- test-case-name: tests.test_accounting -*-
+"""
+Per-request accounting: ordering and reservations (spec §5 steps 2-3, §6),
+workload lifecycle events with stats (§5.5) and metrics, composed into the
+one observer the dispatcher calls.
+
+L{Accounting} is process-wide (one reservation map, one workload recorder,
+one set of metrics for every facade); L{RequestAccounting} is one request's
+share of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from nvproxy.discovery import NodeEntry
+from nvproxy.dispatch import JobOutcome
+from nvproxy.engines import Engine, RouteKind
+from nvproxy.inferstats import StatsMeter
+from nvproxy.metrics import Metrics, RequestMetrics
+from nvproxy.scheduler import ReservationMap, ReservationTracker, choose, order_owners
+from nvproxy.workload import WorkloadRecorder, WorkloadTracker
+
+log = Logger()
+
+Awake = Callable[[str, NodeEntry, str | None], bool]
+"""(engine id, node entry, model) -> whether the node can serve without waking."""
+
+
+class Accounting:
+    """
+    The process-wide half: shared by every facade.
+    """
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        reservations: ReservationMap,
+        recorder: WorkloadRecorder,
+        metrics: Metrics,
+        pins: Mapping[str, str],
+        awake: Awake | None = None,
+    ) -> None:
+        self.clock = clock
+        self.reservations = reservations
+        self.recorder = recorder
+        self.metrics = metrics
+        self.pins = pins
+        self.awake = awake
+
+    def begin(
+        self, engine: Engine, model: str | None, kind: RouteKind
+    ) -> RequestAccounting:
+        inference = kind is RouteKind.INFERENCE and model is not None
+        return RequestAccounting(
+            self,
+            engine,
+            model,
+            self.metrics.observer(self.clock, engine.id, kind.value),
+            self.recorder.begin(engine.id, model) if inference and model else None,
+            ReservationTracker(self.reservations) if inference else None,
+            StatsMeter(self.clock, engine.stream_dialect) if inference else None,
+        )
+
+
+class RequestAccounting:
+    """
+    One request's observer (L{nvproxy.dispatch.JobObserver}) and orderer.
+
+    @ivar meter: measures the committed response body (inference only); the
+        attempt feeds it only for a committed status below 400.
+    """
+
+    def __init__(
+        self,
+        shared: Accounting,
+        engine: Engine,
+        model: str | None,
+        metrics: RequestMetrics,
+        workload: WorkloadTracker | None,
+        reservations: ReservationTracker | None,
+        meter: StatsMeter | None,
+    ) -> None:
+        self._shared = shared
+        self._engine = engine
+        self._model = model
+        self._metrics = metrics
+        self._workload = workload
+        self._reservations = reservations
+        self.meter = meter
+        self._committed_status: int | None = None
+        if meter is not None:
+            meter.started()
+
+    # -- ordering ---------------------------------------------------------
+
+    def order(self, entries: Sequence[NodeEntry]) -> list[NodeEntry]:
+        """
+        Order this round's eligible owners and take the round's reservation.
+        """
+        if not entries:
+            return []
+        shared = self._shared
+        by_id = {entry.node_id: entry for entry in entries}
+        awake_fn: Callable[[str], bool] | None = None
+        if shared.awake is not None:
+            awake = shared.awake
+            engine_id = self._engine.id
+            model = self._model
+            awake_fn = lambda node: awake(engine_id, by_id[node], model)  # noqa: E731
+        pin = shared.pins.get(self._engine.id)
+        ordered = order_owners(
+            by_id,
+            pin=pin,
+            snapshot=shared.reservations.snapshot,
+            loads=shared.reservations.load,
+            awake=awake_fn,
+        )
+        if self._reservations is not None:
+            ordered, reservation = choose(
+                ordered, pin in by_id, shared.reservations, awake=awake_fn
+            )
+            self._reservations.adopt(reservation)
+        return [by_id[node] for node in ordered]
+
+    # -- JobObserver ------------------------------------------------------
+
+    def admitted(self) -> None:
+        if self._workload is not None:
+            self._workload.admitted()
+
+    def dispatching(self, node_id: str, attempt: int) -> None:
+        if self._reservations is not None:
+            self._reservations.dispatching(node_id, attempt)
+        if self._workload is not None:
+            self._workload.dispatching(node_id, attempt)
+        self._metrics.dispatching(node_id, attempt)
+
+    def between_attempts(self) -> None:
+        if self._reservations is not None:
+            self._reservations.between_attempts()
+        if self._workload is not None:
+            self._workload.between_attempts()
+
+    def committed(self, node_id: str, status: int) -> None:
+        self._committed_status = status
+        if self._workload is not None:
+            self._workload.committed(node_id, status)
+        self._metrics.committed(node_id, status)
+
+    def failed_attempt(self, kind: str) -> None:
+        self._metrics.failed_attempt(kind)
+
+    def finished(self, outcome: JobOutcome) -> None:
+        if self._reservations is not None:
+            self._reservations.finished(outcome)
+        if self._workload is not None:
+            stats = None
+            status = self._committed_status
+            if self.meter is not None and status is not None and status < 400:
+                stats = self.meter.finish()
+            self._workload.finished(outcome, stats)
+        self._metrics.finished(outcome)
