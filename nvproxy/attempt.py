@@ -77,11 +77,14 @@ class ClientSide:
     ) -> None:
         self.request = request
         self.gone = False
+        self.aborted = False
+        self.closed: Deferred[None] = Deferred()
         self._error_body = error_body
         request.notifyFinish().addErrback(self._lost)
 
     def _lost(self, reason: Failure) -> None:
         self.gone = True
+        self.closed.callback(None)
 
     def start(self, status: int, phrase: bytes, headers: Headers) -> None:
         request = self.request
@@ -104,7 +107,7 @@ class ClientSide:
         """
         if self.gone or self.request.finished:
             return
-        self.gone = True
+        self.aborted = True
         self.request.loseConnection()
 
     def reject(self, status: int, message: str, retry_after: int | None = None) -> None:

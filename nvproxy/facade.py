@@ -240,6 +240,16 @@ class Facade:
             subscribe=self._subscribe,
         )
         d.addErrback(_cancelled_is_fine)
+
+        def settled(outcome: JobOutcome | None) -> object:
+            # A truncated stream closes the client connection; the response
+            # must not be finished (a final chunk would make it look whole)
+            # before the close, so wait for it.
+            if client.aborted and not client.gone:
+                return client.closed
+            return outcome
+
+        d.addCallback(settled)
         return d
 
     def _subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:

@@ -259,7 +259,8 @@ def order_owners(
        capability gate).
     2. Then the owners on the scheduler's priority list, in its order.
     3. Then the rest in deterministic default order: ascending ``loads`` (missing =
-       0), ties by node id — with no loads given, simply sorted ids.
+       0), ties in the order ``owners`` gives them (discovery lists this node
+       first, then the others by id, so an idle local engine is preferred).
 
     When ``awake`` is given (vLLM), owners it reports awake come before sleeping
     ones, stable within each group, so a sleeping node is woken only when no awake
@@ -269,7 +270,9 @@ def order_owners(
 
     Duplicates in ``owners`` are collapsed.
     """
-    eligible = set(owners)
+    given = list(dict.fromkeys(owners))
+    position = {node_id: index for index, node_id in enumerate(given)}
+    eligible = set(given)
     load_of = _load_function(loads)
     head: list[str] = []
     if pin is not None and pin in eligible:
@@ -281,7 +284,7 @@ def order_owners(
             if node_id in eligible and node_id not in seen:
                 listed.append(node_id)
                 seen.add(node_id)
-    rest = sorted(eligible - seen, key=lambda n: (load_of(n), n))
+    rest = sorted(eligible - seen, key=lambda n: (load_of(n), position[n]))
     tail = listed + rest
     if awake is not None:
         tail = [n for n in tail if awake(n)] + [n for n in tail if not awake(n)]

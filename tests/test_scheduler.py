@@ -251,10 +251,22 @@ ReservationMachineTests = ReservationMachine.TestCase
 
 
 class OrderOwnersTests(SynchronousTestCase):
-    def test_default_order_sorted(self) -> None:
+    def test_default_order_keeps_discovery_order(self) -> None:
+        """
+        Without a pin, priority or load, the order is the one discovery gives
+        (this node first, then by id), duplicates collapsed.
+        """
         self.assertEqual(
-            order_owners(["c", "a", "b", "a"], pin=None, snapshot=None),
-            ["a", "b", "c"],
+            order_owners(["local", "a", "b", "a"], pin=None, snapshot=None),
+            ["local", "a", "b"],
+        )
+
+    def test_default_order_local_loaded(self) -> None:
+        self.assertEqual(
+            order_owners(
+                ["local", "a", "b"], pin=None, snapshot=None, loads={"local": 2}
+            ),
+            ["a", "b", "local"],
         )
 
     def test_eligible_pin_first(self) -> None:

@@ -1,0 +1,163 @@
+"""
+Integration tests for scheduling and accounting: burst spreading across
+facades, pins, workload events with stats, metrics (spec §5 steps 2-3, §5.5,
+§6).
+"""
+
+from __future__ import annotations
+
+import json
+
+from twisted.internet.defer import Deferred, gatherResults
+
+from nvproxy.testing.fakeengine import Behaviour, FakeEngine
+from nvproxy.testing.harness import facade_url
+from tests.test_forwarding import ProxyTestCase
+
+
+def _inference(engine: FakeEngine) -> list[str]:
+    inventory = {"/api/tags", "/v1/models", "/models"}
+    return [r.path for r in engine.requests if r.path not in inventory]
+
+
+class BurstTests(ProxyTestCase):
+    async def test_burst_spreads_across_facades(self) -> None:
+        """
+        A burst of concurrent requests on two facades spreads evenly over
+        three equally loaded nodes: the reservation map is process-wide.
+        """
+        ollamas = []
+        openais = []
+        for _ in range(3):
+            o = await self.engine("ollama", ["m:latest"])
+            o.default = Behaviour(latency=0.3, chunks=1)
+            ollamas.append(o)
+            a = await self.engine("openai", ["m"])
+            a.default = Behaviour(latency=0.3, chunks=1)
+            openais.append(a)
+        proxy = await self.proxy(
+            {"ollama": ollamas[0].url, "lmstudio": openais[0].url},
+            nodes={
+                "gpu-2": {"ollama": ollamas[1].url, "lmstudio": openais[1].url},
+                "gpu-3": {"ollama": ollamas[2].url, "lmstudio": openais[2].url},
+            },
+        )
+        requests = []
+        for _ in range(6):
+            requests.append(
+                self.post(
+                    facade_url(proxy, "ollama") + "/api/generate",
+                    {"model": "m", "stream": False},
+                )
+            )
+            requests.append(
+                self.post(
+                    facade_url(proxy, "lmstudio") + "/v1/completions",
+                    {"model": "m", "prompt": "x"},
+                )
+            )
+        answers = await gatherResults(
+            [Deferred.fromCoroutine(r) for r in requests], consumeErrors=True
+        )
+        self.assertEqual({code for code, _, _ in answers}, {200})
+        per_node = [
+            len(_inference(ollamas[i])) + len(_inference(openais[i])) for i in range(3)
+        ]
+        self.assertEqual(per_node, [4, 4, 4])
+        # Every reservation was released when its request ended.
+        self.assertEqual(set(proxy.status()["reservations"].values()), {0})
+
+
+class PinTests(ProxyTestCase):
+    async def test_pin_routes_first_and_ineligible_pin_ignored(self) -> None:
+        local = await self.engine("ollama", ["m:latest"])
+        other = await self.engine("ollama", ["m:latest"])
+        third = await self.engine("ollama", ["x:latest"])
+        proxy = await self.proxy(
+            {"ollama": local.url},
+            nodes={"gpu-2": {"ollama": other.url}, "gpu-3": {"ollama": third.url}},
+        )
+        url = facade_url(proxy, "ollama") + "/api/generate"
+        proxy.select("ollama", "gpu-2")
+        for _ in range(3):
+            code, _, _ = await self.post(url, {"model": "m", "stream": False})
+            self.assertEqual(code, 200)
+        self.assertEqual(len(_inference(other)), 3)
+        self.assertEqual(_inference(local), [])
+        # gpu-3 does not advertise m: pinning it never sends m there.
+        proxy.select("ollama", "gpu-3")
+        code, _, _ = await self.post(url, {"model": "m", "stream": False})
+        self.assertEqual(code, 200)
+        self.assertEqual(_inference(third), [])
+
+
+class WorkloadTests(ProxyTestCase):
+    async def test_events_and_stats(self) -> None:
+        """
+        A served streaming request leaves submitted/started/completed events
+        with seq and stats measured from the stream; a request nobody can
+        serve leaves an errored workload without stats.
+        """
+        fake = await self.engine("ollama", ["m:latest"])
+        fake.default = Behaviour(chunks=12)
+        proxy = await self.proxy({"ollama": fake.url}, admin=True)
+        url = facade_url(proxy, "ollama")
+        code, _, _ = await self.post(url + "/api/chat", {"model": "m", "messages": []})
+        self.assertEqual(code, 200)
+        code, _, _ = await self.post(url + "/api/chat", {"model": "absent"})
+        self.assertEqual(code, 502)
+
+        admin = f"http://127.0.0.1:{proxy.admin.bound_port()}"
+        code, _, body = await self.client.request(
+            "GET", admin + "/admin/workloads?limit=10"
+        )
+        self.assertEqual(code, 200)
+        workloads = json.loads(body)["workloads"]
+        self.assertEqual(len(workloads), 2)
+        failed, served = workloads
+        events = [
+            (
+                e["method"],
+                e["workloadInfo"]["state"],
+                e["workloadInfo"].get("scheduledOn"),
+            )
+            for e in served["events"]
+        ]
+        self.assertEqual(
+            events,
+            [
+                ("workload:submitted", "queued", None),
+                ("workload:submitted", "queued", "local"),
+                ("workload:started", "running", "local"),
+                ("workload:completed", "completed", "local"),
+            ],
+        )
+        seqs = [e["workloadInfo"]["seq"] for e in served["events"]]
+        self.assertEqual(seqs, sorted(seqs))
+        final = served["workloadInfo"]
+        self.assertEqual(final["model"], "m:latest")
+        self.assertEqual(final["engine"], "ollama")
+        self.assertEqual(final["stats"]["completionTokens"], 12)
+        self.assertIn("promptTokens", final["stats"])
+        self.assertIn("ttftMs", final["stats"])
+        self.assertEqual(failed["workloadInfo"]["state"], "failed")
+        self.assertNotIn("stats", failed["workloadInfo"])
+
+    async def test_metrics(self) -> None:
+        fake = await self.engine("openai", ["m"])
+        proxy = await self.proxy({"vllm": fake.url}, admin=True)
+        await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions", {"model": "m"}
+        )
+        admin = f"http://127.0.0.1:{proxy.admin.bound_port()}"
+        code, headers, body = await self.client.request("GET", admin + "/metrics")
+        self.assertEqual(code, 200)
+        text = body.decode()
+        requests = (
+            'nvproxy_requests_total{engine="vllm",outcome="completed",'
+            'route="inference"} 1.0'
+        )
+        self.assertIn(requests, text)
+        self.assertIn('nvproxy_dispatch_attempts_total{engine="vllm"} 1.0', text)
+        self.assertIn('nvproxy_reservations{node="local"} 0.0', text)
+        self.assertIn("nvproxy_time_to_first_byte_seconds_bucket", text)
