@@ -129,6 +129,8 @@ class Facade:
         cooperator: Any,
         accounting: Accounting,
         hidden: Callable[[bytes], bool] | None = None,
+        peer_of: Callable[[Any], str | None] | None = None,
+        local: Callable[[str | None], Endpoint | None] | None = None,
     ) -> None:
         self.engine = engine
         self._discovery = discovery
@@ -140,6 +142,8 @@ class Facade:
         self._cooperator = cooperator
         self._accounting = accounting
         self._hidden = hidden
+        self._peer_of = peer_of
+        self._local = local
         app = Klein()
         # Paths reach the facade exactly as sent: no slash merging or
         # redirects, the upstream decides what a path means.
@@ -197,6 +201,8 @@ class Facade:
             return None
         text = path.decode("utf-8", "replace")
         kind = self.engine.classify(request.method, text)
+        if request.isSecure():
+            return self._for_peer(request, kind)
         if kind is RouteKind.INVENTORY:
             return self._inventory(request, text)
         client = ClientSide(request, self._error_body)
@@ -239,18 +245,54 @@ class Facade:
             observer=accounting,
             subscribe=self._subscribe,
         )
-        d.addErrback(_cancelled_is_fine)
+        return _settle(d, client)
 
-        def settled(outcome: JobOutcome | None) -> object:
-            # A truncated stream closes the client connection; the response
-            # must not be finished (a final chunk would make it look whole)
-            # before the close, so wait for it.
-            if client.aborted and not client.gone:
-                return client.closed
-            return outcome
-
-        d.addCallback(settled)
-        return d
+    def _for_peer(self, request: Any, kind: RouteKind) -> Any:
+        """
+        Peer mode (spec §7): a pinned peer's request goes straight to this
+        node's own engine, tried once and never re-routed; the peer that
+        received it from its client runs the retry loop.
+        """
+        client = ClientSide(request, self._error_body)
+        peer = self._peer_of(request) if self._peer_of is not None else None
+        if peer is None:
+            # The pin was removed while the connection stayed open.
+            client.reject(403, "peer certificate is not pinned")
+            return None
+        model: str | None = None
+        if kind is RouteKind.INFERENCE:
+            try:
+                model = self._model(request)
+            except BadBody as e:
+                client.reject(400, str(e))
+                return None
+            if model:
+                model = self.engine.normalize_model(model)
+        endpoint = self._local(model) if self._local is not None else None
+        if endpoint is None:
+            client.reject(502, f"this node runs no {self.engine.name} engine")
+            return None
+        upstream = UpstreamRequest(
+            method=request.method,
+            path=request.uri,
+            headers=request.requestHeaders,
+            content=request.content,
+            inference=False,
+        )
+        accounting = self._accounting.begin(self.engine, None, RouteKind.OTHER)
+        target = self._target(endpoint, upstream, client, accounting)
+        log.debug(
+            "{engine} peer request from {peer} to the local engine",
+            engine=self.engine.id,
+            peer=peer,
+        )
+        d = self._dispatcher.dispatch(
+            lambda: [target],
+            _Sink(client, model),
+            inference=False,
+            observer=accounting,
+        )
+        return _settle(d, client)
 
     def _subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
         return self._discovery.subscribe(lambda _snapshot: callback())
@@ -358,6 +400,21 @@ class Facade:
             request.finish()
 
         return Deferred.fromCoroutine(merge())
+
+
+def _settle(d: Deferred[JobOutcome], client: ClientSide) -> Deferred[object]:
+    """
+    What Klein waits for: the job, then (for a truncated stream, which
+    closes the client connection) the close itself, so Klein does not finish
+    the response first and make a cut stream look whole with a final chunk.
+    """
+
+    def settled(outcome: JobOutcome | None) -> object:
+        if client.aborted and not client.gone:
+            return client.closed
+        return outcome
+
+    return d.addErrback(_cancelled_is_fine).addCallback(settled)
 
 
 def _cancelled_is_fine(failure: Failure) -> JobOutcome | None:

@@ -22,7 +22,11 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
-from twisted.internet.interfaces import IListeningPort, IProtocolFactory
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IOpenSSLClientConnectionCreator,
+    IProtocolFactory,
+)
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
@@ -30,11 +34,25 @@ from twisted.python.failure import Failure
 from nvproxy import config as _config
 from nvproxy.accounting import Accounting
 from nvproxy.admin import AdminError, admin_app
-from nvproxy.config import Config, EngineConfig, default_backend, resolve_node_id
+from nvproxy.cluster import (
+    ClientTLS,
+    ClusterDir,
+    ClusterError,
+    ClusterWatcher,
+    ServerTLS,
+)
+from nvproxy.config import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    default_backend,
+    resolve_node_id,
+)
 from nvproxy.discovery import Discovery, Endpoint, PollingDiscovery
 from nvproxy.dispatch import Dispatcher, DispatchPolicy
 from nvproxy.engines import ENGINES
 from nvproxy.facade import Facade
+from nvproxy.listener import DemuxFactory, tls_personality
 from nvproxy.logs import configure_twistd
 from nvproxy.metrics import Metrics
 from nvproxy.ports import PortStore, effective_port
@@ -96,8 +114,10 @@ class PortListener(Service):
         interface: str,
         port: int,
         factory: IProtocolFactory,
+        optional: bool = False,
     ) -> None:
         self._reactor = reactor
+        self._optional = optional
         self.label = label
         self.interface = interface
         self.port = port
@@ -129,7 +149,8 @@ class PortListener(Service):
 
     def _failed(self, reason: Failure) -> None:
         self.error = str(reason.value)
-        log.error(
+        emit = log.warn if self._optional else log.error
+        emit(
             "{label} cannot listen on {interface}:{port}: {error}",
             label=self.label,
             interface=self.interface,
@@ -216,9 +237,21 @@ class NvProxy(MultiService):
     The whole daemon.  Also the admin API's backend.
     """
 
-    def __init__(self, config: Config, reactor: Any, node_id: str) -> None:
+    def __init__(
+        self,
+        config: Config,
+        reactor: Any,
+        node_id: str,
+        cluster: ClusterWatcher | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.config = config
+        self.cluster = cluster
+        self.server_tls: ServerTLS | None = None
+        if cluster is not None:
+            cluster.setServiceParent(self)  # type: ignore[no-untyped-call]
+            if cluster.current.member:
+                self.server_tls = ServerTLS(lambda: cluster.current)
         self.reactor = reactor
         self.node_id = node_id
         self.pins: dict[str, str] = {}
@@ -232,16 +265,22 @@ class NvProxy(MultiService):
         }
         config = evolve(config, engines=self.engine_configs)
         self.config = config
-        self.upstream = Upstream(reactor, config.dispatch.dial_timeout)
+        self.upstream = Upstream(
+            reactor, config.dispatch.dial_timeout, tls_for=self._peer_tls
+        )
         self.discovery = Discovery()
         self.polling = PollingDiscovery(
             self.discovery,
             TreqInventoryClient(self.upstream.treq, reactor),
             reactor,
-            local_endpoints(config, node_id),
+            self._endpoints(),
             interval=config.discovery_poll_interval,
         )
         self.polling.setServiceParent(self)  # type: ignore[no-untyped-call]
+        if cluster is not None:
+            cluster.subscribe(
+                lambda _state: self.polling.set_endpoints(self._endpoints())
+            )
         dispatch = config.dispatch
         self.dispatcher = Dispatcher(
             reactor,
@@ -269,6 +308,8 @@ class NvProxy(MultiService):
         )
         self.facades: dict[str, Facade] = {}
         self.listeners: dict[str, PortListener] = {}
+        self.aliases: list[PortListener] = []
+        self.sites: dict[str, FacadeSite] = {}
         for engine_config in config.engines.values():
             if engine_config.enabled:
                 self._add_facade(engine_config)
@@ -278,6 +319,68 @@ class NvProxy(MultiService):
             site = _plain_site(admin.resource(), reactor)
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
+
+    # -- cluster ----------------------------------------------------------
+
+    def _endpoints(self) -> list[Endpoint]:
+        """
+        Every endpoint discovery polls: this node's engines, direct nodes and
+        (when this node is a cluster member) every peer's facades over mTLS.
+        """
+        endpoints = local_endpoints(self.config, self.node_id)
+        if self.cluster is not None and self.cluster.current.member:
+            for peer in self.cluster.current.peers:
+                host = f"[{peer.address}]" if ":" in peer.address else peer.address
+                for engine_id, engine_config in self.config.engines.items():
+                    port = peer.port(engine_id)
+                    if engine_config.enabled and port is not None:
+                        endpoints.append(
+                            Endpoint(
+                                peer.id, engine_id, "peer", f"https://{host}:{port}"
+                            )
+                        )
+        return endpoints
+
+    def _peer_tls(self, host: str, port: int) -> IOpenSSLClientConnectionCreator | None:
+        """
+        The client TLS for dialing C{host}:C{port}: pinned mTLS when it is a
+        peer, else C{None} (ordinary verification, e.g. an https direct node).
+        """
+        if self.cluster is None:
+            return None
+        state = self.cluster.current
+        peer = state.peer_at(host, port)
+        if peer is None or state.identity is None:
+            return None
+        creator: IOpenSSLClientConnectionCreator = ClientTLS.for_peer(
+            state.identity, peer
+        )
+        return creator
+
+    def _peer_of(self, request: Any) -> str | None:
+        """
+        The pinned peer a TLS request comes from, checked per request so a
+        removed pin stops an open keep-alive connection.
+        """
+        if self.server_tls is None:
+            return None
+        peer = self.server_tls.peer(request.transport)
+        return None if peer is None else peer.id
+
+    def _local_endpoint(self, engine_id: str, model: str | None) -> Endpoint | None:
+        entry = self.discovery.current.node(engine_id, self.node_id)
+        if entry is not None and model is not None and model in entry.models:
+            return entry.models[model]
+        for endpoint in local_endpoints(self.config, self.node_id):
+            if endpoint.engine == engine_id:
+                return endpoint
+        return None
+
+    def _facade_factory(self, site: IProtocolFactory) -> IProtocolFactory:
+        tls = None
+        if self.server_tls is not None:
+            tls = tls_personality(self.server_tls, site, self.reactor)
+        return DemuxFactory(site, tls, self.reactor)
 
     def _add_facade(self, engine_config: EngineConfig) -> None:
         engine = ENGINES[engine_config.id]
@@ -291,6 +394,8 @@ class NvProxy(MultiService):
             response_timeout=self.config.dispatch.response_header_timeout,
             cooperator=self.upstream.cooperator,
             accounting=self.accounting,
+            peer_of=self._peer_of,
+            local=lambda model: self._local_endpoint(engine.id, model),
         )
         limits = self.config.limits
         site = FacadeSite(
@@ -307,10 +412,24 @@ class NvProxy(MultiService):
             f"{engine.name} facade",
             self.config.listen_interface,
             port,
-            site,
+            self._facade_factory(site),
         )
         listener.setServiceParent(self)  # type: ignore[no-untyped-call]
+        for host, alias_port in engine_config.aliases:
+            # Loopback-only extra addresses (§7): plaintext, no TLS; an
+            # occupied alias is a warning and leaves the primary alone.
+            alias = PortListener(
+                self.reactor,
+                f"{engine.name} alias",
+                host,
+                alias_port,
+                DemuxFactory(site, None, self.reactor),
+                optional=True,
+            )
+            alias.setServiceParent(self)  # type: ignore[no-untyped-call]
+            self.aliases.append(alias)
         self.facades[engine.id] = facade
+        self.sites[engine.id] = site
         self.listeners[engine.id] = listener
 
     def _reservation_counts(self) -> Mapping[str, int]:
@@ -329,7 +448,7 @@ class NvProxy(MultiService):
         """
         Fires once every listener has tried to bind.
         """
-        listeners = list(self.listeners.values())
+        listeners = list(self.listeners.values()) + self.aliases
         if self.config.admin_enabled:
             listeners.append(self.admin)
         return DeferredList([listener.ready for listener in listeners])
@@ -353,8 +472,19 @@ class NvProxy(MultiService):
         for engine_id, entries in snapshot.engines.items():
             for node_id, entry in entries.items():
                 nodes.setdefault(node_id, {})[engine_id] = sorted(entry.models)
+        cluster: dict[str, Any] = {"member": False}
+        if self.cluster is not None:
+            state = self.cluster.current
+            cluster = {
+                "member": state.member,
+                "peers": [peer.id for peer in state.peers],
+                "error": None
+                if self.cluster.error is None
+                else str(self.cluster.error),
+            }
         return {
             "node_id": self.node_id,
+            "cluster": cluster,
             "facades": facades,
             "nodes": nodes,
             "inflight": self.dispatcher.inflight(),
@@ -406,9 +536,25 @@ def _plain_site(resource: Any, reactor: Any) -> IProtocolFactory:
 def build(config: Config, reactor: Any, hostname: str | None = None) -> NvProxy:
     """
     Build the daemon for C{config} on C{reactor}.
+
+    @raise ClusterError: the cluster dir cannot be read.
     """
-    node_id = resolve_node_id(config, hostname or socket.gethostname())
-    return NvProxy(config, reactor, node_id)
+    cluster = None
+    if config.cluster_dir is not None:
+        cluster = ClusterWatcher(ClusterDir(config.cluster_dir), reactor)
+    identity = cluster.current.identity if cluster is not None else None
+    if identity is not None:
+        # The certificate names this node; any other id would fail peers'
+        # service-identity checks.
+        if config.node_id is not None and config.node_id != identity.node_id:
+            raise ClusterError(
+                f"cluster.dir: this node's certificate is for {identity.node_id!r}"
+                f" but node_id is {config.node_id!r}"
+            )
+        node_id = identity.node_id
+    else:
+        node_id = resolve_node_id(config, hostname or socket.gethostname())
+    return NvProxy(config, reactor, node_id, cluster)
 
 
 def makeService(options: usage.Options) -> NvProxy:
@@ -418,7 +564,11 @@ def makeService(options: usage.Options) -> NvProxy:
     from twisted.internet import reactor
 
     assert isinstance(options, Options)
-    service = build(options.config, reactor)
+    try:
+        service = build(options.config, reactor)
+    except (ClusterError, ConfigError) as e:
+        print(f"nvproxy: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     log.info(
         "nvproxy node {node} starting with engines {engines}",
         node=service.node_id,

@@ -299,7 +299,7 @@ class ErrorTests(ProxyTestCase):
     async def test_body_too_large_413(self) -> None:
         fake = await self.engine("openai", ["m"])
         config_proxy = await self.proxy({"lmstudio": fake.url})
-        config_proxy.listeners["lmstudio"]._factory.max_body = 1000  # type: ignore[attr-defined]
+        config_proxy.sites["lmstudio"].max_body = 1000
         code, headers, body = await self.client.request(
             "POST",
             facade_url(config_proxy, "lmstudio") + "/v1/chat/completions",
