@@ -1,0 +1,221 @@
+"""
+The load generator: C{concurrency} workers on one C{twisted.web.client.Agent}
+with its own persistent pool, each sending requests back to back for a fixed
+time, recording latency and time to first body byte per request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import attrs
+from attrs import frozen
+from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
+from twisted.internet.interfaces import IConsumer, IPushProducer
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer, IResponse
+from zope.interface import implementer
+
+Now = Callable[[], float]
+
+
+@frozen
+class Workload:
+    """One kind of request: an Ollama chat, streamed or not."""
+
+    model: str
+    stream: bool
+
+    def body(self) -> bytes:
+        return json.dumps(
+            {
+                "model": self.model,
+                "stream": self.stream,
+                "messages": [{"role": "user", "content": "say hello"}],
+            }
+        ).encode("utf-8")
+
+
+@attrs.define
+class Samples:
+    """What one path measured over all its rounds."""
+
+    latencies: list[float] = attrs.field(factory=list)
+    ttfbs: list[float] = attrs.field(factory=list)
+    lines: int = 0
+    errors: int = 0
+    elapsed: float = 0.0
+    error_kinds: dict[str, int] = attrs.field(factory=dict)
+
+    @property
+    def ok(self) -> int:
+        return len(self.latencies)
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The C{q}-th percentile (nearest rank) of C{values}; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+class _Body(Protocol):
+    """Reads a response body: first-byte time, line count, end."""
+
+    def __init__(self, now: Now) -> None:
+        self._now = now
+        self.first: float | None = None
+        self.lines = 0
+        self.done: Deferred[None] = Deferred(self._abort)
+
+    def _abort(self, d: Deferred[None]) -> None:
+        # deliverBody hands us a producer proxy; stopping it drops the connection.
+        producer = cast(IPushProducer | None, self.transport)
+        if producer is not None:
+            producer.stopProducing()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.first is None:
+            self.first = self._now()
+        self.lines += data.count(b"\n")
+
+    def connectionLost(self, reason: Failure = ResponseDone) -> None:  # type: ignore[assignment]
+        if self.done.called:
+            return
+        if reason.check(ResponseDone):
+            self.done.callback(None)
+        else:
+            self.done.errback(reason)
+
+
+class LoadGenerator:
+    """
+    Sends one L{Workload} to one URL with a fixed number of workers.
+
+    The pool keeps up to C{concurrency} connections per host, so every worker
+    holds its own keep-alive connection: nothing is dialled per request once
+    the pool is warm.
+    """
+
+    def __init__(
+        self, reactor: Any, now: Now, concurrency: int, timeout: float = 30.0
+    ) -> None:
+        self._reactor = reactor
+        self._now = now
+        self.concurrency = concurrency
+        self.timeout = timeout
+        self.pool = HTTPConnectionPool(reactor, persistent=True)
+        self.pool.maxPersistentPerHost = concurrency + 2
+        self.pool.retryAutomatically = False
+        self._agent = Agent(reactor, pool=self.pool)
+
+    async def one(self, url: bytes, body: bytes, samples: Samples) -> None:
+        """One request; errors and timeouts are counted, never raised."""
+        attempt = Deferred.fromCoroutine(self._one(url, body, samples))
+        timer = self._reactor.callLater(self.timeout, attempt.cancel)
+        try:
+            await attempt
+        finally:
+            if timer.active():
+                timer.cancel()
+
+    async def _one(self, url: bytes, body: bytes, samples: Samples) -> None:
+        start = self._now()
+        try:
+            response: IResponse = await self._agent.request(
+                b"POST",
+                url,
+                Headers({b"content-type": [b"application/json"]}),
+                _BytesProducer(body),
+            )
+        except CancelledError:
+            samples.error("timeout")
+            return
+        except Exception as e:
+            samples.error(type(e).__name__)
+            return
+        reader = _Body(self._now)
+        response.deliverBody(reader)
+        try:
+            await reader.done
+        except CancelledError:
+            samples.error("timeout")
+            return
+        except Exception as e:
+            samples.error(type(e).__name__)
+            return
+        end = self._now()
+        if response.code != 200:
+            samples.error(f"HTTP {response.code}")
+            return
+        first = reader.first if reader.first is not None else end
+        samples.latencies.append(end - start)
+        samples.ttfbs.append(first - start)
+        samples.lines += reader.lines
+
+    async def round(
+        self,
+        url: str,
+        workload: Workload,
+        duration: float,
+        samples: Samples,
+        max_requests: int = 1_000_000,
+    ) -> None:
+        """Run all workers for C{duration} seconds (and C{max_requests})."""
+        target, body = url.encode("ascii"), workload.body()
+        start = self._now()
+        stop_at = start + duration
+        budget = [max_requests]
+
+        async def worker() -> None:
+            while self._now() < stop_at and budget[0] > 0:
+                budget[0] -= 1
+                await self.one(target, body, samples)
+
+        workers = [Deferred.fromCoroutine(worker()) for _ in range(self.concurrency)]
+        await gatherResults(workers, consumeErrors=True)
+        samples.elapsed += self._now() - start
+
+    def close(self) -> Deferred[None]:
+        closed: Deferred[None] = self.pool.closeCachedConnections()
+        return closed
+
+
+@implementer(IBodyProducer)
+class _BytesProducer:
+    """A request body already in memory, written in one go."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.length = len(data)
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self._data)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+def perf_now() -> float:
+    """The load generator's clock: monotonic, high resolution."""
+    return time.perf_counter()

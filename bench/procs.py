@@ -1,0 +1,299 @@
+"""
+The processes a benchmark runs against: fake engines and an nvproxy daemon,
+each in its own process, started and stopped over the bench's reactor, and
+their CPU time and RSS read from C{/proc}.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import treq
+from attrs import frozen
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IProcessTransport
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import deferLater
+from twisted.python.failure import Failure
+
+from nvproxy.testing.harness import free_port
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(Exception):
+    """A process did not start or the setup is broken."""
+
+
+@frozen
+class Usage:
+    """CPU seconds (user + system) and resident set size of one process."""
+
+    cpu: float
+    rss: int
+
+    @classmethod
+    def of(cls, pid: int) -> Usage:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        # fields[0] is the state (field 3 of proc(5)): utime/stime are 14/15.
+        ticks = int(fields[11]) + int(fields[12])
+        rss = 0
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        return cls(cpu=ticks / _CLK_TCK, rss=rss)
+
+
+class _Child(ProcessProtocol):
+    """Collects output; fires L{ready} on the first line containing a marker."""
+
+    def __init__(self, name: str, marker: bytes | None, log: Path) -> None:
+        self.name = name
+        self.ready: Deferred[str] = Deferred()
+        self.ended: Deferred[None] = Deferred()
+        self._marker = marker
+        self._buffer = b""
+        self._log = log.open("ab")
+
+    def outReceived(self, data: bytes) -> None:
+        self._log.write(data)
+        if self._marker is None or self.ready.called:
+            return
+        self._buffer += data
+        for line in self._buffer.splitlines():
+            if self._marker in line:
+                self.ready.callback(line.decode("utf-8", "replace").strip())
+                self._buffer = b""
+                return
+        self._buffer = self._buffer[-4096:]
+
+    def errReceived(self, data: bytes) -> None:
+        self._log.write(data)
+
+    def processEnded(self, reason: Failure) -> None:
+        self._log.close()
+        if self._marker is not None and not self.ready.called:
+            self.ready.errback(
+                BenchError(f"{self.name} exited before it was ready: {reason.value}")
+            )
+        self.ended.callback(None)
+
+
+@attrs.define
+class Proc:
+    """One child process."""
+
+    name: str
+    transport: IProcessTransport
+    child: _Child
+
+    @property
+    def pid(self) -> int:
+        pid = self.transport.pid
+        if pid is None:
+            raise BenchError(f"{self.name} is not running")
+        return int(pid)
+
+    def usage(self) -> Usage:
+        return Usage.of(self.pid)
+
+    async def stop(self, reactor: Any, grace: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after C{grace} seconds."""
+        if self.child.ended.called:
+            return
+        self.transport.signalProcess("TERM")
+        timer = reactor.callLater(grace, self._kill)
+        await self.child.ended
+        if timer.active():
+            timer.cancel()
+
+    def _kill(self) -> None:
+        if not self.child.ended.called:
+            self.transport.signalProcess("KILL")
+
+
+async def spawn(
+    reactor: Any,
+    name: str,
+    argv: Sequence[str],
+    workdir: Path,
+    marker: bytes | None = None,
+    timeout: float = 20.0,
+) -> tuple[Proc, str]:
+    """
+    Start C{argv}; with C{marker}, wait (at most C{timeout}) for an output line
+    containing it and return that line.  Output goes to C{workdir/NAME.log}.
+    """
+    child = _Child(name, marker, workdir / f"{name}.log")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    transport = reactor.spawnProcess(
+        child, argv[0], list(argv), env=env, path=os.getcwd()
+    )
+    proc = Proc(name, transport, child)
+    if marker is None:
+        return proc, ""
+    child.ready.addTimeout(timeout, reactor)
+    try:
+        line = await child.ready
+    except Exception:
+        await proc.stop(reactor)
+        raise
+    return proc, line
+
+
+async def start_engine(
+    reactor: Any,
+    workdir: Path,
+    name: str,
+    models: Sequence[str],
+    *,
+    chunks: int = 5,
+    chunk_interval: float = 0.0,
+    refuse: bool = False,
+) -> tuple[Proc, str]:
+    """Start a L{bench.engine}; returns the process and its base URL."""
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.engine",
+        "--dialect",
+        "ollama",
+        "--port",
+        "0",
+        "--models",
+        ",".join(models),
+        "--chunks",
+        str(chunks),
+        "--chunk-interval",
+        str(chunk_interval),
+    ]
+    if refuse:
+        argv.append("--refuse")
+    proc, line = await spawn(reactor, name, argv, workdir, b"listening on ")
+    address = line.rsplit(" ", 1)[-1]
+    return proc, f"http://{address}"
+
+
+@frozen
+class Proxy:
+    """A running nvproxy daemon with an Ollama facade and the admin API."""
+
+    proc: Proc
+    facade: str
+    admin: str
+
+
+def _toml_config(
+    admin_port: int,
+    facade_port: int,
+    backend: str,
+    nodes: Mapping[str, str],
+) -> str:
+    lines = [
+        'node_id = "bench"',
+        "[admin]",
+        f'listen = "127.0.0.1:{admin_port}"',
+        "[discovery]",
+        'poll_interval = "2s"',
+        "[engines.ollama]",
+        f"port = {facade_port}",
+        f'backend = "{backend}"',
+        "[engines.lmstudio]",
+        "enabled = false",
+        "[engines.llamacpp]",
+        "enabled = false",
+        "[engines.vllm]",
+        "enabled = false",
+    ]
+    for node_id, url in nodes.items():
+        lines += ["[[nodes]]", f'id = "{node_id}"', f'engines = {{ ollama = "{url}" }}']
+    return "\n".join(lines) + "\n"
+
+
+async def start_proxy(
+    reactor: Any,
+    workdir: Path,
+    backend: str,
+    nodes: Mapping[str, str] | None = None,
+    timeout: float = 20.0,
+    name: str = "nvproxy",
+) -> Proxy:
+    """
+    Start C{twistd -n nvproxy} in front of C{backend} (node C{bench}) and the
+    direct C{nodes} (id -> Ollama URL); returns once every node advertises
+    models on the admin status.
+    """
+    nodes = dict(nodes or {})
+    admin_port, facade_port = free_port(), free_port()
+    state = Path(tempfile.mkdtemp(prefix="state-", dir=workdir))
+    config = workdir / f"{name}.toml"
+    config.write_text(_toml_config(admin_port, facade_port, backend, nodes))
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from twisted.scripts.twistd import run; sys.exit(run())",
+        "-n",
+        "--pidfile=",
+        f"--logfile={workdir / f'{name}.log'}",
+        "nvproxy",
+        "--config",
+        str(config),
+        "--state-dir",
+        str(state),
+    ]
+    proc, _ = await spawn(reactor, name, argv, workdir)
+    proxy = Proxy(
+        proc,
+        f"http://127.0.0.1:{facade_port}",
+        f"http://127.0.0.1:{admin_port}",
+    )
+    want = {"bench", *nodes}
+    deadline = reactor.seconds() + timeout
+    last: object = None
+    while reactor.seconds() < deadline:
+        if proc.child.ended.called:
+            raise BenchError(f"{name} exited; see {workdir / f'{name}.log'}")
+        try:
+            response = await treq.get(f"{proxy.admin}/admin/status", timeout=2)
+            status: dict[str, Any] = await response.json()
+        except Exception as e:
+            last = e
+        else:
+            nodes_seen: dict[str, dict[str, list[str]]] = status.get("nodes") or {}
+            last = nodes_seen
+            advertised = {
+                n for n, engines in nodes_seen.items() if engines.get("ollama")
+            }
+            if want <= advertised:
+                return proxy
+        await deferLater(reactor, 0.1)
+    await proc.stop(reactor)
+    raise BenchError(f"nvproxy not ready in {timeout}s (last: {last!r})")
+
+
+async def select(proxy: Proxy, node: str | None) -> None:
+    """Pin the Ollama facade to C{node} (None clears the pin)."""
+    url = f"{proxy.admin}/admin/engines/ollama/select"
+    if node is None:
+        response = await treq.delete(url, timeout=5)
+    else:
+        response = await treq.put(url, json={"node": node}, timeout=5)
+    await treq.content(response)
+    if response.code != 200:
+        raise BenchError(f"select {node!r}: HTTP {response.code}")
+
+
+async def engine_stats(url: str) -> dict[str, int]:
+    """The per-path request counts of a L{bench.engine}."""
+    response = await treq.get(f"{url}/bench/stats", timeout=5)
+    counts: dict[str, int] = await response.json()
+    return counts
