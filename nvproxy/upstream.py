@@ -144,10 +144,20 @@ class EndpointFactory:
         self._reactor = reactor
         self._timeout = dial_timeout if dial_timeout > 0 else 30.0
         self._tls_for = tls_for
+        self._plain: dict[tuple[str, int], IStreamClientEndpoint] = {}
 
     def endpointForURI(self, uri: Any) -> IStreamClientEndpoint:
         host = uri.host.decode("ascii")
         port = int(uri.port)
+        if uri.scheme != b"https":
+            # The Agent asks for an endpoint on every request, pooled or
+            # not; plain ones are reusable, so build each once.
+            cached = self._plain.get((host, port))
+            if cached is None:
+                cached = self._plain[host, port] = HostnameEndpoint(
+                    self._reactor, host, port, timeout=self._timeout, attemptDelay=0
+                )
+            return cached
         endpoint: IStreamClientEndpoint = HostnameEndpoint(
             self._reactor, host, port, timeout=self._timeout, attemptDelay=0
         )
