@@ -313,11 +313,14 @@ class HttpAttempt:
                 feed(data)
 
             write = relay
+        if not client.gone:
+            # Register before the first write: a write that fills the
+            # client's buffer pauses only a producer registered already.
+            client.request.registerProducer(gate.transport, True)
+            self._producer_registered = True
         write(data)
         if self._state is _State.COMMITTED and not client.gone:
             gate.dataReceived = write  # type: ignore[method-assign]
-            client.request.registerProducer(gate.transport, True)
-            self._producer_registered = True
 
     def _body_ended(self, reason: Failure) -> None:
         clean = reason.check(ResponseDone, PotentialDataLoss) is not None

@@ -401,3 +401,89 @@ class IsolationTests(ProxyTestCase):
             facade_url(proxy, "vllm") + "/v1/chat/completions", {"model": "m"}
         )
         self.assertEqual(code, 200)
+
+
+class _SlowClient(Protocol):
+    """
+    Sends one raw request, then stops reading until told to resume.
+    """
+
+    def __init__(self, request: bytes) -> None:
+        self.request = request
+        self.received = 0
+        self.closed: Deferred[None] = Deferred()
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.write(self.request)
+        self.transport.pauseProducing()  # type: ignore[attr-defined]
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += len(data)
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self.closed.callback(None)
+
+
+class BackpressureTests(ProxyTestCase):
+    async def test_slow_client_pauses_upstream(self) -> None:
+        """
+        A client that stops reading makes nvproxy stop reading the upstream
+        (its connection leaves the reactor's readers) instead of buffering
+        the stream; reading resumes when the client does.
+        """
+        from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+
+        size = 48 * 1024 * 1024
+        fake = await self.engine("openai", ["m"])
+        fake.default = Behaviour(body=b"x" * size)
+        proxy = await self.proxy({"lmstudio": fake.url}, poll_interval=600.0)
+        # Only the request's own upstream connection may reach the engine.
+        await proxy.upstream.close()
+        port = proxy.listeners["lmstudio"].bound_port()
+        body = b'{"model": "m"}'
+        client = _SlowClient(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), client)
+
+        def drop() -> Deferred[None]:
+            if not client.closed.called:
+                client.transport.abortConnection()  # type: ignore[union-attr]
+            return client.closed
+
+        self.addCleanup(drop)
+
+        from twisted.internet.tcp import Server
+
+        def pending(host_port: int | None = None, peer_port: int | None = None) -> int:
+            # Bytes a transport holds in user space, waiting to be sent.
+            for t in reactor.getWriters():
+                if not isinstance(t, Server):
+                    continue
+                if host_port is not None and t.getHost().port != host_port:
+                    continue
+                if peer_port is not None and t.getPeer().port != peer_port:
+                    continue
+                return len(t.dataBuffer) + t._tempDataLen
+            return 0
+
+        assert client.transport is not None
+        client_port = client.transport.getHost().port  # type: ignore[attr-defined]
+        held_back = False
+        for _ in range(100):
+            await deferLater(reactor, 0.05, lambda: None)
+            # The engine cannot hand its body over (nvproxy stopped reading),
+            # while nvproxy itself holds little for the stalled client.
+            if pending(host_port=fake.port) > size // 2:
+                held_back = True
+                break
+        self.assertTrue(held_back, "nvproxy kept reading while the client stalled")
+        self.assertLess(pending(peer_port=client_port), 4 * 1024 * 1024)
+        self.assertLess(client.received, size)
+        assert client.transport is not None
+        client.transport.resumeProducing()  # type: ignore[attr-defined]
+        await client.closed
+        self.assertGreater(client.received, size)
