@@ -1,0 +1,768 @@
+# -*- test-case-name: tests.test_vllm -*-
+"""
+The per-service wake/sleep state machine and its sleep-API driver.
+
+See the diagram in L{nvproxy.vllm}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import treq
+from automat import TypeMachineBuilder
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from nvproxy.config import VllmServiceConfig
+from nvproxy.vllm._errors import (
+    _ESTIMATE,
+    Depth,
+    ManagerStopped,
+    Refused,
+    WakeFailed,
+    Waking,
+    _depth_of_level,
+)
+
+if TYPE_CHECKING:
+    from nvproxy.vllm._manager import VllmManager
+
+log = Logger()
+
+
+class _Transport(Exception):
+    """The service did not answer at all (refused, reset, timed out)."""
+
+
+class _Unreachable(Exception):
+    """Still unreachable when the attempt's deadline passed: down."""
+
+
+class _WakeError(Exception):
+    """A step of the wake sequence answered an error, or never got ready."""
+
+
+@attrs.define(eq=False)
+class _Hold:
+    """One caller waiting for the service; C{timer} is its hold deadline."""
+
+    deferred: Deferred[None]
+    arrived: float
+    timer: IDelayedCall | None = None
+
+
+@attrs.define(eq=False)
+class _Idle:
+    """The idle-tier timer of an awake or asleep service."""
+
+    timer: IDelayedCall | None = None
+
+    def cancel(self) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
+
+
+@attrs.define(eq=False)
+class _Op:
+    """An operation in flight at the service (a wake or a sleep)."""
+
+    deferred: Deferred[Any]
+    reply: Deferred[None] | None = None
+
+
+class _Inputs(Protocol):
+    def need(self) -> None:
+        "Someone waits for the service to be awake (a hold is in the core)."
+
+    def woke(self) -> None:
+        "The wake operation succeeded: the service is awake and healthy."
+
+    def wake_failed(self, level: int | None) -> None:
+        "The wake operation failed twice; it stays asleep at C{level}."
+
+    def unreachable(self) -> None:
+        "The service stayed unreachable for the whole wake attempt."
+
+    def restore(self, level: int | None) -> None:
+        "Startup: the persisted intent says asleep at C{level}."
+
+    def sleep(self, level: int, reply: Deferred[None] | None) -> None:
+        "Admin asks for sleep at C{level}; validated by the state."
+
+    def begin_sleep(self, level: int, reply: Deferred[None] | None) -> None:
+        "Start the C{/sleep} operation (idle tier or validated admin call)."
+
+    def slept(self, level: int | None) -> None:
+        "The sleep operation succeeded."
+
+    def sleep_failed(self) -> None:
+        "The sleep operation failed; the state is unknown."
+
+    def idle_due(self) -> None:
+        "The idle-tier timer fired."
+
+    def stop(self) -> None:
+        "The manager stops: cancel everything."
+
+
+class _Core:
+    """
+    Everything about one service that outlives a state: config, counters,
+    held callers, and the HTTP driver of the sleep API.
+    """
+
+    machine: _Inputs
+
+    def __init__(self, manager: VllmManager, config: VllmServiceConfig) -> None:
+        self.manager = manager
+        self.config = config
+        self.name = config.name
+        self.clock = manager.clock
+        self.base = config.url.rstrip("/")
+        self.phase = "unknown"
+        self.level: int | None = None
+        self.unreachable = False
+        self.active = 0
+        self.last_activity = self.clock.seconds()
+        self.verified_at = -math.inf
+        self.holds: list[_Hold] = []
+        self.wake_started: float | None = None
+        self.waking_from: Depth | None = None
+        self.sleep_target: int | None = None
+        self.observed: dict[Depth, float] = {}
+        self.warned_no_dev_mode = False
+        self.last_sleep_error: BaseException | None = None
+
+    # -- depth and holds ----------------------------------------------------
+
+    def depth(self) -> Depth:
+        """The depth a held caller is told about."""
+        if self.unreachable or self.phase == "down":
+            return Depth.RESTARTING
+        if self.phase == "sleeping":
+            return _depth_of_level(self.sleep_target)
+        return _depth_of_level(self.level)
+
+    def estimate(self, depth: Depth) -> int:
+        typical = self.observed.get(depth, _ESTIMATE[depth])
+        elapsed = 0.0
+        if self.wake_started is not None:
+            elapsed = self.clock.seconds() - self.wake_started
+        return max(1, math.ceil(typical - elapsed))
+
+    def waking_error(self, failed: bool = False) -> Waking:
+        depth = self.depth()
+        kind = WakeFailed if failed else Waking
+        return kind(self.name, self.config.model, depth, self.estimate(depth))
+
+    def add_hold(self, deadline: bool) -> Deferred[None]:
+        def cancel(d: Deferred[None]) -> None:
+            self._drop(hold)
+
+        hold = _Hold(Deferred(cancel), self.clock.seconds())
+        if deadline:
+            wait = self.depth().hold(self.manager.hold)
+            hold.timer = self.clock.callLater(wait, self._expire, hold)
+        self.holds.append(hold)
+        self.manager.metrics.held(self.name, len(self.holds))
+        return hold.deferred
+
+    def _drop(self, hold: _Hold) -> None:
+        if hold.timer is not None and hold.timer.active():
+            hold.timer.cancel()
+        if hold in self.holds:
+            self.holds.remove(hold)
+            self.manager.metrics.held(self.name, len(self.holds))
+
+    def _expire(self, hold: _Hold) -> None:
+        hold.timer = None
+        self._drop(hold)
+        error = self.waking_error()
+        log.info(
+            "vLLM service {service} not awake within the {depth} hold",
+            service=self.name,
+            depth=error.depth.value,
+        )
+        hold.deferred.errback(error)
+
+    def extend_holds(self) -> None:
+        """The depth got worse: give every held caller its longer hold."""
+        wait = self.depth().hold(self.manager.hold)
+        now = self.clock.seconds()
+        for hold in self.holds:
+            if hold.timer is not None and hold.timer.active():
+                due = hold.arrived + wait
+                if due > hold.timer.getTime():
+                    hold.timer.reset(max(0.0, due - now))
+
+    def release(self, error: Exception | None) -> None:
+        holds, self.holds = self.holds, []
+        self.manager.metrics.held(self.name, 0)
+        for hold in holds:
+            if hold.timer is not None and hold.timer.active():
+                hold.timer.cancel()
+            hold.timer = None
+            if error is None:
+                hold.deferred.callback(None)
+            else:
+                hold.deferred.errback(error)
+
+    # -- idle tiers ---------------------------------------------------------
+
+    def tier(self) -> tuple[int, float] | None:
+        """The next idle tier: (level, idle seconds), or None."""
+        config = self.config
+        if self.phase == "awake":
+            if config.idle_sleep > 0:
+                return 1, config.idle_sleep
+            if config.idle_offload > 0:
+                return 2, config.idle_offload
+        elif self.phase == "asleep" and self.level == 1 and config.idle_offload > 0:
+            return 2, config.idle_offload
+        return None
+
+    def arm(self, idle: _Idle) -> None:
+        idle.cancel()
+        tier = self.tier()
+        if tier is None:
+            return
+        now = self.clock.seconds()
+        if self.active > 0:
+            delay = tier[1]  # re-checked then; the end of a request moves it
+        else:
+            delay = max(0.0, self.last_activity + tier[1] - now)
+        idle.timer = self.clock.callLater(delay, self.machine.idle_due)
+
+    def idle_level(self) -> int | None:
+        """The level to sleep at now, if the idle tier still holds."""
+        tier = self.tier()
+        if tier is None or self.active > 0:
+            return None
+        if self.clock.seconds() - self.last_activity < tier[1]:
+            return None
+        return tier[0]
+
+    # -- operations ---------------------------------------------------------
+
+    def start_wake(self) -> _Op:
+        self.wake_started = self.clock.seconds()
+        self.waking_from = None
+        d = Deferred.fromCoroutine(self._wake())
+
+        def ok(_: object) -> None:
+            if self.phase != "stopped":
+                self.machine.woke()
+
+        def failed(f: Failure) -> None:
+            if f.check(CancelledError) or self.phase == "stopped":
+                return
+            if f.check(_Unreachable):
+                log.warn(
+                    "vLLM service {service} unreachable: {error}",
+                    service=self.name,
+                    error=str(f.value),
+                )
+                self.machine.unreachable()
+                return
+            log.error(
+                "vLLM service {service} failed to wake: {error}",
+                service=self.name,
+                error=f"{type(f.value).__name__}: {f.value}",
+            )
+            self.machine.wake_failed(self.level)
+
+        d.addCallbacks(ok, failed)
+        d.addErrback(lambda f: log.failure("vLLM wake bookkeeping", f))
+        return _Op(d)
+
+    def start_sleep(self, level: int, reply: Deferred[None] | None) -> _Op:
+        escalate = self.phase == "asleep" and self.level == 1 and level == 2
+        self.sleep_target = level
+        d = Deferred.fromCoroutine(self._sleep(level, escalate))
+
+        def ok(result: int) -> None:
+            if self.phase != "stopped":
+                self.machine.slept(result)
+
+        def failed(f: Failure) -> None:
+            if f.check(CancelledError) or self.phase == "stopped":
+                return
+            log.error(
+                "vLLM service {service} failed to sleep: {error}",
+                service=self.name,
+                error=f"{type(f.value).__name__}: {f.value}",
+            )
+            self.last_sleep_error = f.value
+            self.machine.sleep_failed()
+
+        d.addCallbacks(ok, failed)
+        d.addErrback(lambda f: log.failure("vLLM sleep bookkeeping", f))
+        return _Op(d, reply)
+
+    # -- the sleep API over treq -------------------------------------------
+
+    async def _call(
+        self, method: str, path: str, limit: float, body: object = None
+    ) -> tuple[int, bytes]:
+        manager = self.manager
+        try:
+            if body is None:
+                d = manager.http.request(method, self.base + path)
+            else:
+                d = manager.http.request(method, self.base + path, json=body)
+            d.addTimeout(limit, self.clock)
+            response = await d
+            content: Deferred[bytes] = treq.content(response)
+            content.addTimeout(limit, self.clock)
+            data = await content
+        except Exception as e:
+            if self.phase == "stopped" or isinstance(e, CancelledError):
+                # twisted.web reports a cancelled request as
+                # ResponseNeverReceived([CancelledError]): stop means stop.
+                raise CancelledError() from e
+            raise _Transport(f"{method} {path}: {type(e).__name__}") from e
+        return response.code, data
+
+    async def _expect(
+        self, method: str, path: str, limit: float, body: object = None
+    ) -> bytes:
+        code, data = await self._call(method, path, limit, body)
+        if code != 200:
+            raise _WakeError(f"{method} {path} answered {code}")
+        return data
+
+    async def _is_sleeping(self) -> bool:
+        """C{GET /is_sleeping}. @raise _Transport: unreachable."""
+        code, data = await self._call("GET", "/is_sleeping", self.manager.call_timeout)
+        if code in (502, 503, 504):
+            raise _Transport(f"GET /is_sleeping answered {code}")
+        if code == 404:
+            if not self.warned_no_dev_mode:
+                self.warned_no_dev_mode = True
+                log.warn(
+                    "vLLM service {service} has no sleep API (dev mode off?)",
+                    service=self.name,
+                )
+            return False
+        if code != 200:
+            raise _WakeError(f"GET /is_sleeping answered {code}")
+        try:
+            return bool(json.loads(data)["is_sleeping"])
+        except (ValueError, KeyError, TypeError):
+            raise _WakeError("GET /is_sleeping: unreadable answer") from None
+
+    async def _pause(self) -> None:
+        await deferLater(self.clock, self.manager.health_poll, lambda: None)
+
+    async def _healthy(self, deadline: float) -> None:
+        """Poll C{/health} until 200. @raise _Unreachable, _WakeError."""
+        while True:
+            reachable = True
+            try:
+                code, _ = await self._call("GET", "/health", self.manager.call_timeout)
+            except _Transport:
+                code, reachable = 0, False
+            if code == 200:
+                return
+            if self.clock.seconds() >= deadline:
+                if reachable:
+                    raise _WakeError(f"/health still {code} at the deadline")
+                raise _Unreachable("no answer from /health until the deadline")
+            await self._pause()
+
+    async def _probe(self, deadline: float) -> bool:
+        """Whether it sleeps; waits out a down service until C{deadline}."""
+        while True:
+            try:
+                sleeping = await self._is_sleeping()
+            except _Transport:
+                if not self.unreachable:
+                    self.unreachable = True
+                    self.extend_holds()
+                    self.manager.changed(self)
+                await self._healthy(deadline)
+                continue
+            if self.unreachable:
+                self.unreachable = False
+                self.manager.changed(self)
+            return sleeping
+
+    async def _wake(self) -> None:
+        try:
+            await self._wake_once()
+        except (CancelledError, _Unreachable):
+            raise
+        except Exception as e:
+            log.warn(
+                "vLLM service {service} wake attempt failed ({error}); retrying",
+                service=self.name,
+                error=str(e),
+            )
+            await self._wake_once()
+
+    async def _wake_once(self) -> None:
+        manager = self.manager
+        deadline = self.clock.seconds() + manager.wake_timeout
+        if await self._probe(deadline):
+            depth = self.depth()
+            self.waking_from = depth
+            manager.metrics.wake(self.name, depth)
+            log.info(
+                "vLLM service {service} waking from {depth}",
+                service=self.name,
+                depth=depth.value,
+            )
+            await self._expect("POST", "/wake_up", manager.wake_timeout)
+            while await self._is_sleeping():
+                if self.clock.seconds() >= deadline:
+                    raise _WakeError("still sleeping after /wake_up")
+                await self._pause()
+            await self._expect(
+                "POST",
+                "/collective_rpc",
+                manager.wake_timeout,
+                {"method": "reload_weights"},
+            )
+            await self._expect("POST", "/reset_prefix_cache", manager.call_timeout)
+        await self._healthy(deadline)
+
+    async def _sleep(self, level: int, escalate: bool) -> int:
+        timeout = self.manager.wake_timeout
+        if escalate and self.manager.escalate_by_wake:
+            await self._resleep(level)
+            return level
+        code, _ = await self._call("POST", f"/sleep?level={level}&mode=wait", timeout)
+        if code == 200:
+            return level
+        if not escalate:
+            raise _WakeError(f"POST /sleep?level={level} answered {code}")
+        log.warn(
+            "vLLM service {service} refused level 2 over level 1 ({code});"
+            " waking it to offload",
+            service=self.name,
+            code=code,
+        )
+        await self._resleep(level)
+        return level
+
+    async def _resleep(self, level: int) -> None:
+        timeout = self.manager.wake_timeout
+        await self._expect("POST", "/wake_up", timeout)
+        await self._expect("POST", f"/sleep?level={level}&mode=wait", timeout)
+
+
+def _refuse(reply: Deferred[None] | None, why: str) -> None:
+    if reply is not None:
+        reply.errback(Refused(why))
+
+
+builder = TypeMachineBuilder(_Inputs, _Core)
+unknown = builder.state("unknown")
+down = builder.state("down")
+stopped = builder.state("stopped")
+
+
+def _awake_data(inputs: _Inputs, core: _Core) -> _Idle:
+    core.phase = "awake"
+    core.level = None
+    core.unreachable = False
+    core.verified_at = core.clock.seconds()
+    if core.waking_from is not None and core.wake_started is not None:
+        took = core.verified_at - core.wake_started
+        core.observed[core.waking_from] = took
+        core.manager.metrics.woke(core.name, core.waking_from, took)
+        log.info(
+            "vLLM service {service} awake after {seconds:.1f}s from {depth}",
+            service=core.name,
+            seconds=took,
+            depth=core.waking_from.value,
+        )
+    core.wake_started = None
+    # a wake (or check) restarts the idle clock: the held callers may have
+    # given up long ago, their retries are coming
+    core.last_activity = core.verified_at
+    core.manager.changed(core)
+    idle = _Idle()
+    core.arm(idle)
+    return idle
+
+
+def _asleep_data(inputs: _Inputs, core: _Core, level: int | None) -> _Idle:
+    core.phase = "asleep"
+    core.level = level
+    core.wake_started = None
+    core.manager.changed(core)
+    idle = _Idle()
+    core.arm(idle)
+    return idle
+
+
+def _waking_data(inputs: _Inputs, core: _Core) -> _Op:
+    core.phase = "waking"
+    core.manager.changed(core)
+    return core.start_wake()
+
+
+def _sleeping_data(
+    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
+) -> _Op:
+    op = core.start_sleep(level, reply)
+    core.phase = "sleeping"
+    core.manager.changed(core)
+    return op
+
+
+awake = builder.state("awake", _awake_data)
+asleep = builder.state("asleep", _asleep_data)
+waking = builder.state("waking", _waking_data)
+sleeping = builder.state("sleeping", _sleeping_data)
+
+
+# need: wake (or re-check) unless a wake is running or a sleep must finish.
+unknown.upon(_Inputs.need).to(waking).returns(None)
+down.upon(_Inputs.need).to(waking).returns(None)
+waking.upon(_Inputs.need).loop().returns(None)
+sleeping.upon(_Inputs.need).loop().returns(None)
+
+
+@awake.upon(_Inputs.need).to(waking)
+def _recheck(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    idle.cancel()
+
+
+@asleep.upon(_Inputs.need).to(waking)
+def _wake_sleeper(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    idle.cancel()
+
+
+@stopped.upon(_Inputs.need).loop()
+def _need_stopped(inputs: _Inputs, core: _Core) -> None:
+    core.release(ManagerStopped())
+
+
+# the wake operation ends
+@waking.upon(_Inputs.woke).to(awake)
+def _woke(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    core.release(None)
+
+
+@waking.upon(_Inputs.wake_failed).to(asleep)
+def _wake_failed(inputs: _Inputs, core: _Core, op: _Op, level: int | None) -> None:
+    core.release(core.waking_error(failed=True))
+
+
+@waking.upon(_Inputs.unreachable).to(down)
+def _unreachable(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    core.phase = "down"
+    core.wake_started = None
+    core.manager.changed(core)
+    core.release(core.waking_error(failed=True))
+
+
+unknown.upon(_Inputs.restore).to(asleep).returns(None)
+
+
+# admin sleep requests, validated by state
+@awake.upon(_Inputs.sleep).loop()
+def _sleep_awake(
+    inputs: _Inputs, core: _Core, idle: _Idle, level: int, reply: Deferred[None] | None
+) -> None:
+    if core.active > 0:
+        _refuse(reply, f"{core.active} active request(s)")
+    else:
+        inputs.begin_sleep(level, reply)
+
+
+@asleep.upon(_Inputs.sleep).loop()
+def _sleep_asleep(
+    inputs: _Inputs, core: _Core, idle: _Idle, level: int, reply: Deferred[None] | None
+) -> None:
+    if core.level is not None and core.level >= level:
+        if reply is not None:
+            reply.callback(None)
+    elif core.active > 0:
+        _refuse(reply, f"{core.active} active request(s)")
+    else:
+        inputs.begin_sleep(level, reply)
+
+
+@unknown.upon(_Inputs.sleep).loop()
+def _sleep_unknown(
+    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
+) -> None:
+    if core.active > 0:
+        _refuse(reply, f"{core.active} active request(s)")
+    else:
+        inputs.begin_sleep(level, reply)
+
+
+for _busy, _why in (
+    (waking, "a wake is in progress"),
+    (sleeping, "a sleep is in progress"),
+):
+
+    def _make(why: str) -> Any:
+        def refuse(
+            inputs: _Inputs,
+            core: _Core,
+            op: _Op,
+            level: int,
+            reply: Deferred[None] | None,
+        ) -> None:
+            _refuse(reply, why)
+
+        return refuse
+
+    _busy.upon(_Inputs.sleep).loop()(_make(_why))
+    _busy.upon(_Inputs.begin_sleep).loop()(_make(_why))
+
+
+@down.upon(_Inputs.sleep).loop()
+def _sleep_down(
+    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
+) -> None:
+    _refuse(reply, "the service is down")
+
+
+@down.upon(_Inputs.begin_sleep).loop()
+def _begin_down(
+    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
+) -> None:
+    _refuse(reply, "the service is down")
+
+
+@stopped.upon(_Inputs.sleep).loop()
+def _sleep_stopped(
+    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
+) -> None:
+    if reply is not None:
+        reply.errback(ManagerStopped())
+
+
+@stopped.upon(_Inputs.begin_sleep).loop()
+def _begin_stopped(
+    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
+) -> None:
+    if reply is not None:
+        reply.errback(ManagerStopped())
+
+
+# the sleep operation
+@awake.upon(_Inputs.begin_sleep).to(sleeping)
+def _begin_awake(
+    inputs: _Inputs, core: _Core, idle: _Idle, level: int, reply: Deferred[None] | None
+) -> None:
+    idle.cancel()
+
+
+@asleep.upon(_Inputs.begin_sleep).to(sleeping)
+def _begin_asleep(
+    inputs: _Inputs, core: _Core, idle: _Idle, level: int, reply: Deferred[None] | None
+) -> None:
+    idle.cancel()
+
+
+unknown.upon(_Inputs.begin_sleep).to(sleeping).returns(None)
+
+
+@sleeping.upon(_Inputs.slept).to(asleep)
+def _slept(inputs: _Inputs, core: _Core, op: _Op, level: int | None) -> None:
+    core.manager.metrics.slept(core.name, level)
+    log.info(
+        "vLLM service {service} asleep at level {sleep_level}",
+        service=core.name,
+        sleep_level=level,
+    )
+    if op.reply is not None:
+        op.reply.callback(None)
+    if core.holds:
+        inputs.need()
+
+
+@sleeping.upon(_Inputs.sleep_failed).to(unknown)
+def _sleep_failed(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    core.phase = "unknown"
+    core.level = None
+    core.manager.changed(core)
+    if op.reply is not None:
+        error = core.last_sleep_error
+        op.reply.errback(error if isinstance(error, Exception) else Refused("failed"))
+    if core.holds:
+        inputs.need()
+
+
+# idle tiers
+@awake.upon(_Inputs.idle_due).loop()
+def _idle_awake(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    idle.timer = None
+    level = core.idle_level()
+    if level is None:
+        core.arm(idle)
+    else:
+        inputs.begin_sleep(level, None)
+
+
+@asleep.upon(_Inputs.idle_due).loop()
+def _idle_asleep(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    idle.timer = None
+    level = core.idle_level()
+    if level is None:
+        core.arm(idle)
+    else:
+        inputs.begin_sleep(level, None)
+
+
+# stop
+def _stop_common(core: _Core) -> None:
+    core.phase = "stopped"
+    core.release(ManagerStopped())
+
+
+@awake.upon(_Inputs.stop).to(stopped)
+def _stop_awake(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    idle.cancel()
+    _stop_common(core)
+
+
+@asleep.upon(_Inputs.stop).to(stopped)
+def _stop_asleep(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    idle.cancel()
+    _stop_common(core)
+
+
+@waking.upon(_Inputs.stop).to(stopped)
+def _stop_waking(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    _stop_common(core)
+    op.deferred.cancel()
+
+
+@sleeping.upon(_Inputs.stop).to(stopped)
+def _stop_sleeping(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    _stop_common(core)
+    op.deferred.cancel()
+    if op.reply is not None and not op.reply.called:
+        op.reply.errback(ManagerStopped())
+
+
+@unknown.upon(_Inputs.stop).to(stopped)
+def _stop_unknown(inputs: _Inputs, core: _Core) -> None:
+    _stop_common(core)
+
+
+@down.upon(_Inputs.stop).to(stopped)
+def _stop_down(inputs: _Inputs, core: _Core) -> None:
+    _stop_common(core)
+
+
+stopped.upon(_Inputs.stop).loop().returns(None)
+
+_ServiceMachine = builder.build()
+del builder

@@ -1,0 +1,370 @@
+# -*- test-case-name: tests.test_vllm -*-
+"""
+L{VllmManager}: the vLLM services of this node, and their admin routes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from nvproxy.config import VllmHold, VllmServiceConfig
+from nvproxy.ports import atomic_write
+from nvproxy.vllm._errors import Depth, ManagerStopped, Refused, UnknownService, Waking
+from nvproxy.vllm._machine import _Core, _ServiceMachine
+from nvproxy.vllm._registry import VllmRegistry
+
+if TYPE_CHECKING:
+    from klein import Klein
+    from prometheus_client import CollectorRegistry
+    from treq.client import HTTPClient
+
+log = Logger()
+
+STATE_FILE = "vllm-state.json"
+
+
+class _Metrics:
+    """Prometheus metrics of the wake path; no-ops without a registry."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.on = registry is not None
+        if registry is None:
+            return
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self._wakes = Counter(
+            "nvproxy_vllm_wakes",
+            "Wake sequences started, by depth.",
+            ["service", "depth"],
+            registry=registry,
+        )
+        self._latency = Histogram(
+            "nvproxy_vllm_wake_seconds",
+            "Time from the start of a wake to the service being awake.",
+            ["service", "depth"],
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600),
+            registry=registry,
+        )
+        self._held = Gauge(
+            "nvproxy_vllm_held_requests",
+            "Requests waiting for their service to wake.",
+            ["service"],
+            registry=registry,
+        )
+        self._503 = Counter(
+            "nvproxy_vllm_waking_503",
+            "Depth-aware 503 answers, by depth.",
+            ["service", "depth"],
+            registry=registry,
+        )
+        self._sleeps = Counter(
+            "nvproxy_vllm_sleeps",
+            "Sleeps completed, by level.",
+            ["service", "level"],
+            registry=registry,
+        )
+
+    def wake(self, service: str, depth: Depth) -> None:
+        if self.on:
+            self._wakes.labels(service, depth.value).inc()
+
+    def woke(self, service: str, depth: Depth, seconds: float) -> None:
+        if self.on:
+            self._latency.labels(service, depth.value).observe(seconds)
+
+    def held(self, service: str, count: int) -> None:
+        if self.on:
+            self._held.labels(service).set(count)
+
+    def answered_503(self, service: str, depth: Depth) -> None:
+        if self.on:
+            self._503.labels(service, depth.value).inc()
+
+    def slept(self, service: str, level: int | None) -> None:
+        if self.on:
+            self._sleeps.labels(service, str(level)).inc()
+
+
+class VllmManager(Service):
+    """
+    The vLLM services of this node: wake on demand, hold, idle sleep, admin
+    control, and persisted wake intent (C{<state_dir>/vllm-state.json}).
+
+    @param http: the control-plane treq client (every call to a service).
+    @param state_ttl: how long evidence that a service is awake is trusted
+        without asking it again.
+    @param health_poll: the interval of C{/health} and C{/is_sleeping} polls.
+    @param call_timeout: the timeout of short calls (C{/is_sleeping},
+        C{/health}, C{/reset_prefix_cache}).
+    @param wake_timeout: the timeout of C{/wake_up}, C{/collective_rpc} and
+        C{/sleep}, and the deadline of one wake attempt (health polls
+        included, also while the service is down).
+    @param escalate_by_wake: offload a level-1 sleeper by waking it and
+        sleeping it at level 2, rather than C{/sleep?level=2} directly.
+    @param metrics: where to register Prometheus metrics, if anywhere.
+    """
+
+    def __init__(
+        self,
+        services: Sequence[VllmServiceConfig],
+        hold: VllmHold,
+        http: HTTPClient,
+        clock: IReactorTime,
+        state_dir: str,
+        *,
+        state_ttl: float = 1.0,
+        health_poll: float = 0.5,
+        call_timeout: float = 10.0,
+        wake_timeout: float = 600.0,
+        escalate_by_wake: bool = False,
+        metrics: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = VllmRegistry(services)
+        self.hold = hold
+        self.http = http
+        self.clock = clock
+        self.state_ttl = state_ttl
+        self.health_poll = health_poll
+        self.call_timeout = call_timeout
+        self.wake_timeout = wake_timeout
+        self.escalate_by_wake = escalate_by_wake
+        self.metrics = _Metrics(metrics)
+        self._path = os.path.join(state_dir, STATE_FILE)
+        self._written: bytes | None = None
+        self._stopping = False
+        self._cores: dict[str, _Core] = {}
+        for service in self.registry.services:
+            core = _Core(self, service)
+            core.machine = _ServiceMachine(core)
+            self._cores[service.name] = core
+
+    def _core(self, name: str) -> _Core:
+        try:
+            return self._cores[name]
+        except KeyError:
+            raise UnknownService(name) from None
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self._stopping = False
+        self._recover()
+
+    def stopService(self) -> None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        self._stopping = True
+        for core in self._cores.values():
+            core.machine.stop()
+
+    def _recover(self) -> None:
+        """FD §6.4: bring services we were keeping awake back to a known state."""
+        saved = self._load()
+        for name, core in self._cores.items():
+            entry = saved.get(name)
+            if not isinstance(entry, dict) or core.phase != "unknown":
+                continue
+            intent = entry.get("intent")
+            level = entry.get("level")
+            level = level if level in (1, 2) else None
+            if intent in ("awake", "waking"):
+                log.info(
+                    "vLLM service {service} was {intent}: checking it",
+                    service=name,
+                    intent=intent,
+                )
+                core.machine.need()
+            elif intent in ("asleep", "sleeping"):
+                core.machine.restore(level)
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            with open(self._path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            log.warn("cannot read {path}: {error}", path=self._path, error=str(e))
+            return {}
+        try:
+            doc = json.loads(raw)
+            services = doc["services"]
+            if not isinstance(services, dict):
+                raise TypeError("services is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            log.warn("ignoring unreadable {path}: {error}", path=self._path, error=e)
+            return {}
+        self._written = raw
+        return services
+
+    def changed(self, core: _Core) -> None:
+        """Persist the wake intent of every service if it changed."""
+        if self._stopping:
+            return
+        services: dict[str, dict[str, Any]] = {}
+        for name, c in self._cores.items():
+            level = c.sleep_target if c.phase == "sleeping" else c.level
+            services[name] = {"intent": c.phase, "level": level}
+        data = json.dumps({"version": 1, "services": services}, sort_keys=True)
+        raw = data.encode()
+        if raw == self._written:
+            return
+        try:
+            atomic_write(self._path, raw)
+        except OSError as e:
+            log.error("cannot persist {path}: {error}", path=self._path, error=str(e))
+            return
+        self._written = raw
+
+    # -- request path -------------------------------------------------------
+
+    def ensure_awake(self, name: str) -> Deferred[None]:
+        """
+        Fire once service C{name} is known awake (at once if it is and the
+        knowledge is fresh).  Cancelling stops the wait, not the wake.
+
+        @raise UnknownService: at once.
+        @return: fails with L{Waking} when the hold of the depth passes, with
+            L{WakeFailed} when the wake sequence failed twice.
+        """
+        core = self._core(name)
+        if (
+            core.phase == "awake"
+            and self.clock.seconds() - core.verified_at <= self.state_ttl
+        ):
+            return succeed(None)
+        d = core.add_hold(deadline=True)
+        core.machine.need()
+        return d
+
+    def request_started(self, name: str) -> None:
+        core = self._core(name)
+        core.active += 1
+        core.last_activity = self.clock.seconds()
+
+    def request_finished(self, name: str, served: bool = True) -> None:
+        """
+        @param served: the service answered (below 500): evidence that it is
+            awake.  False forces a re-check before the next request.
+        """
+        core = self._core(name)
+        core.active = max(0, core.active - 1)
+        now = core.last_activity = self.clock.seconds()
+        if not served:
+            core.verified_at = -math.inf
+        elif core.phase == "awake":
+            core.verified_at = now
+
+    def is_awake(self, name: str) -> bool:
+        return self._core(name).phase == "awake"
+
+    def answered_503(self, name: str, depth: Depth) -> None:
+        self.metrics.answered_503(name, depth)
+
+    # -- admin --------------------------------------------------------------
+
+    def wake(self, name: str) -> Deferred[None]:
+        """Wake C{name} with no hold deadline; fails with L{WakeFailed}."""
+        core = self._core(name)
+        d = core.add_hold(deadline=False)
+        core.machine.need()
+        return d
+
+    def sleep(self, name: str, level: int) -> Deferred[None]:
+        """
+        Sleep C{name} at C{level} (1 or 2) with C{mode=wait}.
+
+        @return: fails with L{Refused} with active requests, during a wake or
+            a sleep, or when the service is down.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        core = self._core(name)
+        reply: Deferred[None] = Deferred()
+        core.machine.sleep(level, reply)
+        return reply
+
+    def status(self) -> list[dict[str, Any]]:
+        out = []
+        for core in self._cores.values():
+            depth: str | None = None
+            if core.phase in ("waking", "down", "sleeping"):
+                depth = core.depth().value
+            elif core.phase == "asleep":
+                depth = "unknown" if core.level is None else core.depth().value
+            out.append(
+                {
+                    "name": core.name,
+                    "model": core.config.model,
+                    "url": core.config.url,
+                    "state": core.phase,
+                    "sleep_depth": depth,
+                    "sleep_level": core.level,
+                    "active_requests": core.active,
+                    "held_requests": len(core.holds),
+                    "last_activity": core.last_activity,
+                    "wake_in_progress": core.phase == "waking",
+                }
+            )
+        return out
+
+
+# ----------------------------------------------------------------- admin
+
+
+def _json(request: Any, status: int, body: object) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(body, sort_keys=True).encode() + b"\n"
+
+
+def admin_routes(app: Klein, manager: VllmManager) -> None:
+    """
+    Add C{POST /admin/wake/<service>} and C{POST /admin/sleep/<service>
+    ?level=1|2} (FD §6.5) to the admin app: 200 with the new state; 404
+    unknown service; 400 bad level; 409 refused (active requests, busy,
+    down); 503 not awake (wake failed, with C{sleep_depth}); 502 the
+    service answered the sleep with an error.
+    """
+
+    @app.route("/admin/wake/<service>", methods=["POST"])
+    async def wake(request: Any, service: str) -> bytes:
+        if service not in manager._cores:
+            return _json(request, 404, {"error": f"unknown vLLM service {service!r}"})
+        try:
+            await manager.wake(service)
+        except Waking as e:
+            request.setHeader(b"retry-after", b"%d" % e.retry_after)
+            return _json(request, 503, {"error": str(e), "sleep_depth": e.depth.value})
+        except ManagerStopped:
+            return _json(request, 503, {"error": "shutting down"})
+        return _json(request, 200, {"service": service, "state": "awake"})
+
+    @app.route("/admin/sleep/<service>", methods=["POST"])
+    async def sleep(request: Any, service: str) -> bytes:
+        raw = request.args.get(b"level", [b"1"])[0]
+        if raw not in (b"1", b"2"):
+            return _json(request, 400, {"error": "level must be 1 or 2"})
+        level = int(raw)
+        if service not in manager._cores:
+            return _json(request, 404, {"error": f"unknown vLLM service {service!r}"})
+        try:
+            await manager.sleep(service, level)
+        except Refused as e:
+            return _json(request, 409, {"error": f"refused: {e}"})
+        except ManagerStopped:
+            return _json(request, 503, {"error": "shutting down"})
+        except Exception as e:
+            return _json(request, 502, {"error": f"sleep failed: {e}"})
+        return _json(
+            request, 200, {"service": service, "state": "asleep", "level": level}
+        )

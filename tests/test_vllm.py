@@ -1,0 +1,1143 @@
+# -*- test-case-name: tests.test_vllm -*-
+"""
+Tests for L{nvproxy.vllm}: the registry, the per-service wake/sleep machine
+driven against L{FakeVLLM} over C{StubTreq} on a C{Clock}, the waking
+dispatch target and the admin routes (FD §10 cases 1-15 as far as they are
+about the backend).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+import treq
+from klein import Klein
+from prometheus_client import CollectorRegistry
+from treq.testing import StubTreq
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
+from twisted.web.test.requesthelper import DummyRequest
+from zope.interface import implementer
+
+from nvproxy.config import VllmHold, VllmServiceConfig
+from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
+from nvproxy.testing.fakevllm import EngineState, FakeVLLM
+from nvproxy.vllm import (
+    STATE_FILE,
+    Depth,
+    ManagerStopped,
+    ModelRequired,
+    Refused,
+    UnknownModel,
+    UnknownService,
+    VllmManager,
+    VllmRegistry,
+    WakeFailed,
+    Waking,
+    WakingTarget,
+    admin_routes,
+    waking_503_body,
+)
+
+TEXT = VllmServiceConfig(
+    name="text",
+    url="http://text.test:8001",
+    model="Qwen3.6-35B-A3B-FP8",
+    aliases=("qwen3.6-35b-a3b-fp8", "qwen"),
+    default_for=("/v1/chat/completions", "/v1/completions"),
+    idle_sleep=60,
+    idle_offload=180,
+)
+OCR = VllmServiceConfig(
+    name="ocr",
+    url="http://ocr.test:8002",
+    model="OvisOCR2",
+    default_for=("multipart:/v1/chat/completions",),
+    idle_sleep=0,
+    idle_offload=0,
+)
+EMBED = VllmServiceConfig(
+    name="embed",
+    url="http://embed.test:8003/",
+    model="Qwen3-Embedding-8B",
+    default_for=("/v1/embeddings",),
+    idle_sleep=0,
+    idle_offload=0,
+)
+SERVICES = (TEXT, OCR, EMBED)
+HOSTS = {"text": b"text.test", "ocr": b"ocr.test", "embed": b"embed.test"}
+PATHS = {"text": "/v1/chat/completions", "ocr": "/v1/chat/completions"}
+PATHS["embed"] = "/v1/embeddings"
+
+WAKE = [
+    ("GET", "/is_sleeping"),
+    ("POST", "/wake_up"),
+    ("GET", "/is_sleeping"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/reset_prefix_cache"),
+    ("GET", "/health"),
+]
+
+
+class RegistryTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.registry = VllmRegistry(SERVICES)
+
+    def test_model_and_alias_case_insensitive(self) -> None:
+        resolve = self.registry.resolve
+        path = "/v1/chat/completions"
+        self.assertIs(resolve("Qwen3.6-35B-A3B-FP8", path, False), TEXT)
+        self.assertIs(resolve("QWEN3.6-35b-a3b-fp8", path, False), TEXT)
+        self.assertIs(resolve("Qwen", path, False), TEXT)
+        self.assertIs(resolve("ovisocr2", path, True), OCR)
+
+    def test_unknown_model(self) -> None:
+        with self.assertRaises(UnknownModel) as caught:
+            self.registry.resolve("gpt-4", "/v1/chat/completions", False)
+        self.assertEqual(caught.exception.model, "gpt-4")
+
+    def test_defaults(self) -> None:
+        resolve = self.registry.resolve
+        self.assertIs(resolve(None, "/v1/chat/completions", False), TEXT)
+        self.assertIs(resolve("", "/v1/completions", False), TEXT)
+        # FD §6.2 step 1: multipart chat without a model is the OCR service
+        self.assertIs(resolve(None, "/v1/chat/completions", True), OCR)
+        self.assertIs(resolve(None, "/v1/completions", True), TEXT)
+        with self.assertRaises(ModelRequired) as caught:
+            resolve(None, "/v1/rerank", False)
+        self.assertEqual(caught.exception.path, "/v1/rerank")
+
+    def test_embeddings_regardless_of_body(self) -> None:
+        resolve = self.registry.resolve
+        self.assertIs(resolve(None, "/v1/embeddings", False), EMBED)
+        self.assertIs(resolve("Qwen", "/v1/embeddings", False), EMBED)
+        self.assertIs(resolve("nonsense", "/v1/embeddings?x=1", False), EMBED)
+
+    def test_embeddings_without_default(self) -> None:
+        registry = VllmRegistry([TEXT])
+        self.assertIs(registry.resolve("qwen", "/v1/embeddings", False), TEXT)
+        self.assertRaises(ModelRequired, registry.resolve, None, "/v1/embeddings", 0)
+
+    def test_models(self) -> None:
+        self.assertEqual(
+            [m["id"] for m in self.registry.models()],
+            ["Qwen3.6-35B-A3B-FP8", "OvisOCR2", "Qwen3-Embedding-8B"],
+        )
+        self.assertEqual(self.registry.models(7)[0]["created"], 7)
+        self.assertEqual(self.registry.models()[0]["object"], "model")
+
+    def test_unknown_service(self) -> None:
+        self.assertRaises(UnknownService, self.registry.service, "nope")
+        self.assertIs(self.registry.service("embed"), EMBED)
+
+
+@implementer(IResource)
+class _Hosts:
+    """Routes each request to the fake named by its Host header."""
+
+    isLeaf: ClassVar[bool] = True
+
+    def __init__(self, fakes: dict[bytes, FakeVLLM]) -> None:
+        self.fakes = fakes
+
+    def getChildWithDefault(self, name: bytes, request: IRequest) -> IResource:
+        return self
+
+    def putChild(self, path: bytes, child: IResource) -> None:
+        raise NotImplementedError()
+
+    def render(self, request: Any) -> Any:
+        fake = self.fakes[request.getRequestHostname()]
+        return fake.resource().render(request)
+
+
+class _Client:
+    """The part of L{nvproxy.attempt.ClientSide} the waking target uses."""
+
+    def __init__(self) -> None:
+        self.request = DummyRequest([b""])
+        self.gone = False
+
+
+class _StubAttempt:
+    """An inner attempt: the inference request sent to a fake over StubTreq."""
+
+    def __init__(self, case: _Harness, name: str, body: dict[str, Any]) -> None:
+        self.result: Deferred[Committed | AttemptFailed] = Deferred()
+        self.done: Deferred[StreamEnd] = Deferred()
+        self.body = b""
+        self.committed_at: float | None = None
+        self._case = case
+        url = "http://" + HOSTS[name].decode() + ":1" + PATHS[name]
+        stub: Any = case.stub
+        self._d: Deferred[Any] = stub.post(url, json=body, unbuffered=True)
+        self._d.addCallbacks(self._response, self._failed)
+
+    def _failed(self, failure: Failure) -> None:
+        if not self.result.called:
+            self.result.callback(AttemptFailed("node", FailureKind.TRANSPORT))
+
+    def _response(self, response: Any) -> None:
+        self.committed_at = self._case.clock.seconds()
+        self.result.callback(Committed("node", response.code, self.done))
+        collect: Deferred[bytes] = treq.content(response)
+
+        def got(body: bytes) -> None:
+            self.body = body
+            self.done.callback(StreamEnd.COMPLETE)
+
+        collect.addCallbacks(got, lambda f: self.done.callback(StreamEnd.TRUNCATED))
+
+    def cancel(self) -> None:
+        self._d.cancel()
+
+    def abort(self) -> None:
+        self._d.cancel()
+
+
+class _StubTarget:
+    node_id = "node"
+
+    def __init__(self, case: _Harness, name: str, body: dict[str, Any]) -> None:
+        self.case = case
+        self.name = name
+        self.body = body
+        self.attempts: list[_StubAttempt] = []
+
+    def start(self, final: bool) -> _StubAttempt:
+        attempt = _StubAttempt(self.case, self.name, self.body)
+        self.attempts.append(attempt)
+        return attempt
+
+
+class _Harness(SynchronousTestCase):
+    """Fakes for every service on one Clock, reached through one StubTreq."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.fakes = {
+            s.name: FakeVLLM(clock=self.clock, model=s.model) for s in SERVICES
+        }
+        self.stub = StubTreq(
+            _Hosts({HOSTS[name]: fake for name, fake in self.fakes.items()})
+        )
+        self.state_dir = self.mktemp()
+        self.managers: list[VllmManager] = []
+        self.addCleanup(self._no_leftovers)
+
+    def manager(
+        self,
+        services: tuple[VllmServiceConfig, ...] = SERVICES,
+        hold: VllmHold | None = None,
+        start: bool = True,
+        **kwargs: Any,
+    ) -> VllmManager:
+        self.metrics = CollectorRegistry()
+        manager = VllmManager(
+            services,
+            hold or VllmHold(),
+            self.stub,  # type: ignore[arg-type]
+            self.clock,
+            self.state_dir,
+            metrics=self.metrics,
+            **kwargs,
+        )
+        self.managers.append(manager)
+        if start:
+            manager.startService()
+        self.pump()
+        return manager
+
+    def _no_leftovers(self) -> None:
+        for manager in self.managers:
+            if manager.running:
+                manager.stopService()
+        self.pump()
+        for fake in self.fakes.values():
+            self.assertEqual(fake.violations, [])
+            fake.stop()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def pump(self) -> None:
+        for _ in range(30):
+            self.stub.flush()
+
+    def advance(self, seconds: float, step: float = 0.25) -> None:
+        while seconds > 1e-9:
+            dt = min(step, seconds)
+            self.clock.advance(dt)
+            self.pump()
+            seconds -= dt
+
+    def control(self, name: str) -> list[tuple[str, str]]:
+        """The sleep-API calls a fake saw, in order."""
+        return [
+            (method, path.split("?")[0] if path.startswith("/is_") else path)
+            for _, method, path in self.fakes[name].calls
+            if not path.startswith("/v1/")
+        ]
+
+    def inference(self, name: str) -> list[float]:
+        return [t for t, _, path in self.fakes[name].calls if path.startswith("/v1/")]
+
+    def target(
+        self,
+        manager: VllmManager,
+        name: str = "text",
+        stream: bool = False,
+    ) -> tuple[WakingTarget, _StubTarget, _Client]:
+        body: dict[str, Any] = {"model": self.fakes[name].model}
+        if name == "embed":
+            body["input"] = "hello"
+        else:
+            body["messages"] = [{"role": "user", "content": "hi"}]
+            body["stream"] = stream
+        inner = _StubTarget(self, name, body)
+        client = _Client()
+        return WakingTarget(inner, manager, name, client), inner, client  # type: ignore[arg-type]
+
+    def serve(self, manager: VllmManager, name: str = "text") -> Committed:
+        """One request through a waking target, to its end."""
+        target, inner, _ = self.target(manager, name)
+        attempt = target.start(final=True)
+        self.pump()
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.pump()
+        self.assertEqual(self.successResultOf(result.done), StreamEnd.COMPLETE)
+        return result
+
+
+class WakeTests(_Harness):
+    def test_all_asleep_request_wakes_then_served(self) -> None:
+        """
+        FD §10 case 1: the wake sequence runs in order, and the request
+        reaches the engine only after /health answers 200.
+        """
+        for fake in self.fakes.values():
+            fake.force_sleep(1)
+        text = self.fakes["text"]
+        text.wake_latency = 2.0
+        text.health_delay = 1.0
+        manager = self.manager()
+        target, inner, _ = self.target(manager)
+        attempt = target.start(final=True)
+        self.pump()
+        self.assertNoResult(attempt.result)
+        self.assertEqual(manager.status()[0]["state"], "waking")
+        self.assertEqual(manager.status()[0]["active_requests"], 1)
+        self.advance(5)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 200)
+        self.assertEqual(self.successResultOf(result.done), StreamEnd.COMPLETE)
+        self.assertIn(b"fake", inner.attempts[0].body)
+        control = self.control("text")
+        self.assertEqual(control[:5], WAKE[:5])
+        self.assertEqual(set(control[5:]), {("GET", "/health")})
+        self.assertGreater(len(control), 6)  # health was polled while 503
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(self.control("embed"), [])
+        self.assertEqual(self.control("ocr"), [])
+        self.assertTrue(manager.is_awake("text"))
+        self.assertEqual(manager.status()[0]["active_requests"], 0)
+
+    def test_awake_costs_no_http_per_request(self) -> None:
+        """
+        An awake service is checked once; then requests within the state
+        TTL of each other add no control call.  After a quiet spell
+        longer than the TTL the next request re-checks once.
+        """
+        manager = self.manager()
+        self.serve(manager)
+        self.assertEqual(self.control("text"), [WAKE[0], WAKE[-1]])
+        for _ in range(20):
+            self.serve(manager)
+            self.advance(0.5)
+        self.assertEqual(self.control("text"), [WAKE[0], WAKE[-1]])
+        self.assertEqual(len(self.inference("text")), 21)
+        self.advance(5)
+        self.serve(manager)
+        self.assertEqual(self.control("text"), [WAKE[0], WAKE[-1]] * 2)
+
+    def test_embed_wakes_independently(self) -> None:
+        """FD §10 case 2: text awake, embed asleep: only embed is woken."""
+        self.fakes["embed"].force_sleep(2)
+        manager = self.manager()
+        self.serve(manager, "text")
+        self.serve(manager, "embed")
+        self.assertEqual(self.control("text"), [WAKE[0], WAKE[-1]])
+        self.assertEqual(self.control("embed"), WAKE)
+        self.assertEqual(self.fakes["text"].wake_calls, 0)
+        self.assertEqual(self.fakes["embed"].wake_sequences, 1)
+        self.assertEqual(self.fakes["embed"].state, EngineState.AWAKE)
+        self.serve(manager, "text")
+        self.assertEqual(len(self.inference("text")), 2)
+
+    def test_unknown_model_triggers_nothing(self) -> None:
+        """FD §10 case 6."""
+        for fake in self.fakes.values():
+            fake.force_sleep(2)
+        manager = self.manager()
+        self.assertRaises(
+            UnknownModel,
+            manager.registry.resolve,
+            "no-such-model",
+            "/v1/chat/completions",
+            False,
+        )
+        self.assertRaises(UnknownService, manager.ensure_awake, "no-such-service")
+        self.pump()
+        for fake in self.fakes.values():
+            self.assertEqual(fake.calls, [])
+
+    def test_streaming_held_until_health(self) -> None:
+        """
+        FD §10 case 5: a streaming request held during the wake is sent
+        only after /health answers 200, then streams unbuffered.
+        """
+        text = self.fakes["text"]
+        text.force_sleep(2)
+        text.wake_latency = 4.0
+        text.health_delay = 2.0
+        text.chunk_interval = 0.5
+        manager = self.manager()
+        target, inner, _ = self.target(manager, stream=True)
+        attempt = target.start(final=True)
+        self.advance(5.5)
+        self.assertNoResult(attempt.result)
+        self.assertEqual(self.inference("text"), [])
+        self.advance(1.5)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        health = [t for t, _, p in text.calls if p == "/health"]
+        sent = self.inference("text")[0]
+        self.assertGreaterEqual(sent, 6.0)  # awake at 4 + 2 s health delay
+        self.assertEqual(sent, health[-1])
+        self.assertNoResult(result.done)  # still streaming
+        self.advance(5)
+        self.assertEqual(self.successResultOf(result.done), StreamEnd.COMPLETE)
+        self.assertIn(b"data: [DONE]", inner.attempts[0].body)
+
+    def test_concurrent_callers_one_wake(self) -> None:
+        """FD §10 case 9: ten requests while sleeping -> one wake sequence."""
+        text = self.fakes["text"]
+        text.force_sleep(1)
+        text.wake_latency = 3.0
+        manager = self.manager()
+        waits = [manager.ensure_awake("text") for _ in range(10)]
+        self.pump()
+        self.assertEqual(manager.status()[0]["held_requests"], 10)
+        self.assertEqual(
+            self.metrics.get_sample_value(
+                "nvproxy_vllm_held_requests", {"service": "text"}
+            ),
+            10,
+        )
+        self.advance(4)
+        for d in waits:
+            self.assertIsNone(self.successResultOf(d))
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(text.wake_calls, 1)
+        self.assertEqual(self.control("text"), WAKE)
+        self.assertEqual(
+            self.metrics.get_sample_value(
+                "nvproxy_vllm_wakes_total", {"service": "text", "depth": "offloaded"}
+            ),
+            1,
+        )
+        self.assertEqual(
+            self.metrics.get_sample_value(
+                "nvproxy_vllm_wake_seconds_count",
+                {"service": "text", "depth": "offloaded"},
+            ),
+            1,
+        )
+
+    def test_two_services_waking_concurrently(self) -> None:
+        """FD §10 case 13: no cross-talk between the services' wakes."""
+        self.fakes["text"].force_sleep(2)
+        self.fakes["text"].wake_latency = 10.0
+        self.fakes["embed"].force_sleep(1)
+        self.fakes["embed"].wake_latency = 2.0
+        manager = self.manager()
+        text = manager.ensure_awake("text")
+        embed = manager.ensure_awake("embed")
+        self.advance(3)
+        self.successResultOf(embed)
+        self.assertNoResult(text)
+        self.assertEqual(manager.status()[0]["state"], "waking")
+        self.assertEqual(manager.status()[2]["state"], "awake")
+        self.advance(8)
+        self.successResultOf(text)
+        self.assertEqual(self.control("text"), WAKE)
+        self.assertEqual(self.control("embed"), WAKE)
+        self.assertEqual(self.fakes["text"].wake_sequences, 1)
+        self.assertEqual(self.fakes["embed"].wake_sequences, 1)
+
+    def test_failed_wake_retried_once(self) -> None:
+        text = self.fakes["text"]
+        text.force_sleep(1)
+        text.wake_failures = 1
+        manager = self.manager()
+        d = manager.ensure_awake("text")
+        self.advance(1)
+        self.successResultOf(d)
+        self.assertEqual(text.wake_sequences, 2)
+        self.assertEqual(text.state, EngineState.AWAKE)
+
+    def test_failed_wake_twice_is_an_error(self) -> None:
+        """FD §6.6: retry once, then the depth-aware 503; never half-awake."""
+        text = self.fakes["text"]
+        text.force_sleep(2)
+        text.wake_failures = 2
+        manager = self.manager()
+        target, inner, client = self.target(manager)
+        attempt = target.start(final=True)
+        self.advance(1)
+        result = self.successResultOf(attempt.result)
+        self.assertEqual(result, Committed("node", 503, result.done))
+        self.assertEqual(inner.attempts, [])
+        self.assertEqual(text.wake_sequences, 2)
+        self.assertEqual(client.request.responseCode, 503)
+        self.assertEqual(
+            client.request.responseHeaders.getRawHeaders(b"retry-after"), [b"60"]
+        )
+        body = json.loads(b"".join(client.request.written))
+        self.assertEqual(body["error"]["code"], "model_waking")
+        self.assertEqual(body["error"]["sleep_depth"], "offloaded")
+        self.assertIn("failed to wake", body["error"]["message"])
+        status = manager.status()[0]
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("asleep", "unknown")
+        )
+        self.assertEqual(status["active_requests"], 0)
+        # the next request wakes it
+        self.serve(manager)
+        self.assertEqual(text.wake_sequences, 3)
+
+    def test_wake_answering_early(self) -> None:
+        """
+        An old vLLM answers /wake_up before it is awake: the weights are
+        reloaded only once /is_sleeping says false.
+        """
+        text = self.fakes["text"]
+        text.force_sleep(2)
+        text.wake_answers_early = True
+        text.wake_latency = 3.0
+        manager = self.manager()
+        self.serve_later = manager.ensure_awake("text")
+        self.advance(4)
+        self.successResultOf(self.serve_later)
+        self.serve(manager)
+        rpc = [t for t, _, p in text.calls if p == "/collective_rpc"]
+        self.assertGreaterEqual(rpc[0], 3.0)
+
+
+class HoldTests(_Harness):
+    def _waking(self, level: int) -> tuple[Waking, Any]:
+        """Slept by the manager at C{level} (depth known), woken by a request."""
+        text = self.fakes["text"]
+        manager = self.manager(hold=VllmHold(sleeping=1, offloaded=1, restarting=1))
+        self.serve(manager)
+        self.successResultOf(manager.sleep("text", level))
+        text.wake_latency = 5.0
+        target, inner, client = self.target(manager)
+        attempt = target.start(final=True)
+        d = manager.ensure_awake("text")
+        self.advance(1)
+        error = self.failureResultOf(d, Waking).value
+        assert isinstance(error, Waking)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 503)
+        self.assertEqual(self.successResultOf(result.done), StreamEnd.COMPLETE)
+        self.assertEqual(inner.attempts, [])
+        # the wake keeps going in the background
+        self.assertEqual(manager.status()[0]["state"], "waking")
+        self.advance(5)
+        self.assertTrue(manager.is_awake("text"))
+        self.assertEqual(text.wake_sequences, 1)
+        return error, client.request
+
+    def test_level1_hold(self) -> None:
+        """FD §10 case 10, level 1: 503, Retry-After 10, "sleeping"."""
+        error, request = self._waking(1)
+        self.assertEqual((error.depth, error.retry_after), (Depth.SLEEPING, 10))
+        self.assertEqual(request.responseCode, 503)
+        self.assertEqual(request.responseHeaders.getRawHeaders(b"retry-after"), [b"10"])
+        body = json.loads(b"".join(request.written))["error"]
+        self.assertEqual(body["type"], "model_waking")
+        self.assertEqual(body["code"], "model_waking")
+        self.assertEqual(body["sleep_depth"], "sleeping")
+        self.assertEqual(body["estimated_wake_seconds"], 5)  # 6 s default - 1 s
+        self.assertEqual(
+            body["message"],
+            "Model 'Qwen3.6-35B-A3B-FP8' is waking from sleep; retry shortly",
+        )
+        self.assertEqual(
+            self.metrics.get_sample_value(
+                "nvproxy_vllm_waking_503_total",
+                {"service": "text", "depth": "sleeping"},
+            ),
+            1,
+        )
+
+    def test_level2_hold(self) -> None:
+        """FD §10 case 10, level 2: 503, Retry-After 60, "offloaded"."""
+        error, request = self._waking(2)
+        self.assertEqual((error.depth, error.retry_after), (Depth.OFFLOADED, 60))
+        self.assertEqual(request.responseHeaders.getRawHeaders(b"retry-after"), [b"60"])
+        body = json.loads(b"".join(request.written))["error"]
+        self.assertEqual(body["sleep_depth"], "offloaded")
+        self.assertEqual(body["estimated_wake_seconds"], 44)
+        self.assertIn("waking from offload", body["message"])
+
+    def test_estimate_learns(self) -> None:
+        """The estimate is the last measured wake of that depth."""
+        self._waking(1)  # measured: 5 s
+        manager = self.managers[0]
+        self.successResultOf(manager.sleep("text", 1))
+        d = manager.ensure_awake("text")
+        self.advance(1)
+        error = self.failureResultOf(d, Waking).value
+        assert isinstance(error, Waking)
+        self.assertEqual(error.estimated_wake_seconds, 4)
+        self.advance(5)
+
+    def test_not_final_is_retryable_status(self) -> None:
+        """DESIGN §5: a depth-aware 503 is retryable elsewhere."""
+        manager = self.manager()
+        self.serve(manager)
+        self.successResultOf(manager.sleep("text", 1))
+        self.fakes["text"].wake_latency = 60
+        target, inner, client = self.target(manager)
+        attempt = target.start(final=False)
+        self.advance(30)
+        self.assertEqual(
+            self.successResultOf(attempt.result),
+            AttemptFailed("node", FailureKind.STATUS, 503),
+        )
+        self.assertEqual(client.request.written, [])
+        self.assertEqual(manager.status()[0]["active_requests"], 0)
+        self.advance(31)
+
+    def test_unknown_depth_is_offloaded(self) -> None:
+        """No record of the depth (first use): the offloaded hold."""
+        self.fakes["text"].force_sleep(1)
+        self.fakes["text"].wake_latency = 300
+        manager = self.manager()
+        d = manager.ensure_awake("text")
+        self.advance(179.5, step=10)
+        self.assertNoResult(d)
+        self.advance(0.5)
+        error = self.failureResultOf(d, Waking).value
+        assert isinstance(error, Waking)
+        self.assertEqual(error.depth, Depth.OFFLOADED)
+        self.assertEqual(error.retry_after, 60)
+        self.advance(121, step=5)
+        self.assertTrue(manager.is_awake("text"))
+
+    def test_cancel_and_abort_while_held(self) -> None:
+        """
+        Cancelling or aborting a held attempt ends the wait, not the wake;
+        the active count comes back down.
+        """
+        self.fakes["text"].force_sleep(1)
+        self.fakes["text"].wake_latency = 10
+        manager = self.manager()
+        target, inner, _ = self.target(manager)
+        one = target.start(final=False)
+        two = target.start(final=True)
+        self.pump()
+        self.assertEqual(manager.status()[0]["held_requests"], 2)
+        one.cancel()
+        self.assertEqual(
+            self.successResultOf(one.result),
+            AttemptFailed("node", FailureKind.TARGET_LOST),
+        )
+        two.abort()
+        self.assertEqual(
+            self.successResultOf(two.result),
+            AttemptFailed("node", FailureKind.TRANSPORT),
+        )
+        one.abort()
+        two.cancel()
+        status = manager.status()[0]
+        self.assertEqual((status["held_requests"], status["active_requests"]), (0, 0))
+        self.assertEqual(status["state"], "waking")
+        self.advance(11)
+        self.assertTrue(manager.is_awake("text"))
+        self.assertEqual(inner.attempts, [])
+
+    def test_waking_503_body(self) -> None:
+        error = Waking("ocr", "OvisOCR2", Depth.OFFLOADED, 45)
+        self.assertEqual(
+            json.loads(waking_503_body("OvisOCR2", error)),
+            {
+                "error": {
+                    "type": "model_waking",
+                    "code": "model_waking",
+                    "message": "Model 'OvisOCR2' is waking from offload; retry shortly",
+                    "sleep_depth": "offloaded",
+                    "estimated_wake_seconds": 45,
+                }
+            },
+        )
+        failed = WakeFailed("ocr", "OvisOCR2", Depth.RESTARTING, 300)
+        self.assertEqual(failed.retry_after, 600)
+        self.assertEqual(
+            json.loads(waking_503_body("x", failed))["error"]["sleep_depth"],
+            "restarting",
+        )
+
+
+class DownTests(_Harness):
+    def test_killed_service_holds_then_recovers(self) -> None:
+        """
+        FD §10 case 8: a service that is down is held for the restarting
+        hold, then 503 Retry-After 600 while the wake keeps polling, and
+        serves once it is back.
+        """
+        text = self.fakes["text"]
+        text.set_down()
+        manager = self.manager()
+        target, inner, client = self.target(manager)
+        attempt = target.start(final=True)
+        self.advance(299, step=1)
+        self.assertNoResult(attempt.result)
+        status = manager.status()[0]
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("waking", "restarting")
+        )
+        self.advance(1, step=1)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 503)
+        self.assertEqual(
+            client.request.responseHeaders.getRawHeaders(b"retry-after"), [b"600"]
+        )
+        body = json.loads(b"".join(client.request.written))["error"]
+        self.assertEqual(body["sleep_depth"], "restarting")
+        self.assertEqual(
+            body["message"], "Model 'Qwen3.6-35B-A3B-FP8' is restarting; retry shortly"
+        )
+        self.advance(100, step=1)
+        self.successResultOf(text.set_up(ready_after=30))
+        later = manager.ensure_awake("text")
+        self.advance(29, step=1)
+        self.assertNoResult(later)
+        self.advance(2, step=0.5)
+        self.successResultOf(later)
+        self.assertEqual(text.wake_calls, 0)  # it booted awake
+        self.serve(manager)
+
+    def test_down_past_wake_timeout(self) -> None:
+        """Still down at the end of the wake attempt: state down; a later
+        request starts over."""
+        text = self.fakes["text"]
+        text.set_down()
+        manager = self.manager(wake_timeout=60)
+        d = manager.ensure_awake("text")
+        self.advance(61, step=1)
+        error = self.failureResultOf(d, WakeFailed).value
+        assert isinstance(error, WakeFailed)
+        self.assertEqual(error.depth, Depth.RESTARTING)
+        status = manager.status()[0]
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("down", "restarting")
+        )
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        text.set_up()
+        self.serve(manager)
+
+    def test_backend_restart(self) -> None:
+        """
+        FD §10 case 15 as a backend restart: a request fails at the
+        transport, the next one re-checks, waits out the cold start
+        (vLLM boots awake: no wake call) and is served.
+        """
+        text = self.fakes["text"]
+        manager = self.manager()
+        self.serve(manager)
+        text.set_down()
+        target, inner, _ = self.target(manager)
+        failed = target.start(final=False)
+        self.pump()
+        self.assertEqual(
+            self.successResultOf(failed.result),
+            AttemptFailed("node", FailureKind.TRANSPORT),
+        )
+        target, inner, _ = self.target(manager)
+        attempt = target.start(final=True)
+        self.advance(60, step=1)
+        self.assertNoResult(attempt.result)
+        self.assertEqual(manager.status()[0]["sleep_depth"], "restarting")
+        self.successResultOf(text.set_up(ready_after=20))
+        self.advance(21, step=0.5)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 200)
+        self.assertEqual(text.wake_calls, 0)
+        self.pump()
+
+    def test_host_reboot(self) -> None:
+        """All services cold-start awake: unknown state, no wake calls."""
+        for fake in self.fakes.values():
+            fake.set_down()
+        manager = self.manager()
+        waits = {name: manager.ensure_awake(name) for name in self.fakes}
+        self.advance(10, step=1)
+        for name, fake in self.fakes.items():
+            self.successResultOf(fake.set_up(ready_after=5 * len(name)))
+        self.advance(30, step=0.5)
+        for name in self.fakes:
+            self.successResultOf(waits[name])
+            self.assertEqual(self.fakes[name].wake_calls, 0)
+            self.serve(manager, name)
+
+
+class IdleTests(_Harness):
+    def test_tiers_and_auto_wake(self) -> None:
+        """
+        FD §10 case 4 with shortened timers: level 1 after idle_sleep,
+        level 2 after idle_offload, auto-wake from both.
+        """
+        text = self.fakes["text"]
+        manager = self.manager()
+        self.serve(manager)
+        self.advance(59.5, step=0.5)
+        self.assertEqual(text.state, EngineState.AWAKE)
+        self.advance(0.5)
+        self.assertEqual(text.state, EngineState.ASLEEP)
+        self.assertEqual(text.sleep_level, 1)
+        self.assertEqual(self.control("text")[-1], ("POST", "/sleep?level=1&mode=wait"))
+        status = manager.status()[0]
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("asleep", "sleeping")
+        )
+        self.advance(120, step=1)
+        self.assertEqual(text.sleep_level, 2)
+        self.assertEqual(self.control("text")[-1], ("POST", "/sleep?level=2&mode=wait"))
+        self.assertEqual(manager.status()[0]["sleep_depth"], "offloaded")
+        self.assertEqual(
+            self.metrics.get_sample_value(
+                "nvproxy_vllm_sleeps_total", {"service": "text", "level": "2"}
+            ),
+            1,
+        )
+        # auto-wake from level 2 (reload_weights: no violation)
+        before = len(text.calls)
+        self.serve(manager)
+        self.assertEqual(
+            [(m, p.split("?")[0]) for _, m, p in text.calls[before:]],
+            [*WAKE, ("POST", "/v1/chat/completions")],
+        )
+        # and from level 1
+        self.advance(60, step=1)
+        self.assertEqual(text.sleep_level, 1)
+        self.serve(manager)
+        self.assertEqual(text.state, EngineState.AWAKE)
+        self.assertEqual(text.wake_sequences, 2)
+
+    def test_tier_disabled(self) -> None:
+        """idle_sleep 0: straight to level 2 at idle_offload; both 0: never."""
+        only2 = VllmServiceConfig(
+            name="text", url=TEXT.url, model=TEXT.model, idle_sleep=0, idle_offload=30
+        )
+        manager = self.manager(services=(only2, EMBED))
+        self.serve(manager)
+        self.serve(manager, "embed")
+        self.advance(30, step=1)
+        self.assertEqual(self.fakes["text"].sleep_level, 2)
+        self.assertEqual(self.fakes["embed"].state, EngineState.AWAKE)
+        self.assertEqual(self.control("embed"), [WAKE[0], WAKE[-1]])
+
+    def test_long_stream_not_slept(self) -> None:
+        """A stream longer than idle_sleep is never put to sleep mid-flight;
+        the idle clock restarts at its end."""
+        text = self.fakes["text"]
+        text.chunk_interval = 10.0  # 7 chunks: 60 s
+        manager = self.manager()
+        target, inner, _ = self.target(manager, stream=True)
+        attempt = target.start(final=True)
+        self.pump()
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.advance(100, step=1)
+        self.assertEqual(self.successResultOf(result.done), StreamEnd.COMPLETE)
+        self.assertNotIn(("POST", "/sleep?level=1&mode=wait"), self.control("text"))
+        ended = self.clock.seconds() - 40  # the stream ended at ~60 s
+        self.advance(ended + 60 - self.clock.seconds() - 0.5, step=1)
+        self.assertEqual(text.state, EngineState.AWAKE)
+        self.advance(1)
+        self.assertEqual(text.state, EngineState.ASLEEP)
+
+    def test_request_at_the_timer_before_it(self) -> None:
+        """
+        FD §10 case 11: a request that starts at the very instant the idle
+        timer is due, ordered before it: no sleep while it is active.
+        """
+        text = self.fakes["text"]
+        text.first_chunk_latency = 5.0
+        manager = self.manager(start=False)
+        attempts: list[Any] = []
+
+        def request() -> None:
+            target, inner, _ = self.target(manager)
+            attempts.append(target.start(final=True))
+
+        self.clock.callLater(60, request)
+        manager.startService()
+        self.successResultOf(manager.ensure_awake("text"))  # unknown -> awake
+        self.pump()
+        self.advance(60, step=0.5)
+        self.advance(10)
+        result = self.successResultOf(attempts[0].result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 200)
+        self.assertEqual(text.state, EngineState.AWAKE)
+        self.assertNotIn(("POST", "/sleep?level=1&mode=wait"), self.control("text"))
+        self.advance(60)
+        self.assertEqual(text.state, EngineState.ASLEEP)
+
+    def test_request_at_the_timer_after_it(self) -> None:
+        """
+        FD §10 case 11, the other order: the sleep starts first; the
+        request waits for it, then wakes the service and is served.
+        """
+        manager = self.manager()
+        self.serve(manager)
+        attempts: list[Any] = []
+
+        def request() -> None:
+            target, inner, _ = self.target(manager)
+            attempts.append(target.start(final=True))
+
+        self.clock.callLater(60, request)
+        self.advance(60)
+        self.advance(1)
+        result = self.successResultOf(attempts[0].result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 200)
+        self.assertEqual(
+            self.control("text")[-7:],
+            [("POST", "/sleep?level=1&mode=wait"), *WAKE],
+        )
+
+    def test_escalation_fallback(self) -> None:
+        """escalate_by_wake: level 1 -> 2 by wake, then sleep at level 2."""
+        text = self.fakes["text"]
+        manager = self.manager(escalate_by_wake=True)
+        self.serve(manager)
+        self.advance(180, step=1)
+        self.assertEqual(text.sleep_level, 2)
+        self.assertEqual(
+            self.control("text")[-3:],
+            [
+                ("POST", "/sleep?level=1&mode=wait"),
+                ("POST", "/wake_up"),
+                ("POST", "/sleep?level=2&mode=wait"),
+            ],
+        )
+        self.serve(manager)
+
+
+class AdminTests(_Harness):
+    def test_sleep_and_wake(self) -> None:
+        manager = self.manager()
+        self.serve(manager)
+        d = manager.sleep("text", 2)
+        self.pump()
+        self.successResultOf(d)
+        self.assertEqual(self.fakes["text"].sleep_level, 2)
+        self.assertFalse(manager.is_awake("text"))
+        # already that deep: nothing to do
+        self.successResultOf(manager.sleep("text", 1))
+        d = manager.wake("text")
+        self.pump()
+        self.successResultOf(d)
+        self.assertTrue(manager.is_awake("text"))
+        self.assertRaises(ValueError, manager.sleep, "text", 3)
+
+    def test_sleep_refused(self) -> None:
+        manager = self.manager()
+        self.serve(manager)
+        manager.request_started("text")
+        self.failureResultOf(manager.sleep("text", 1), Refused)
+        manager.request_finished("text")
+        self.fakes["embed"].force_sleep(1)
+        self.fakes["embed"].wake_latency = 5
+        waiting = manager.ensure_awake("embed")
+        self.pump()
+        self.failureResultOf(manager.sleep("embed", 1), Refused)
+        self.advance(5)
+        self.successResultOf(waiting)
+
+    def test_depth_tracking_from_admin(self) -> None:
+        """After an admin sleep at level 1 the hold is the sleeping one."""
+        manager = self.manager(hold=VllmHold(sleeping=2, offloaded=50))
+        self.serve(manager)
+        self.successResultOf(manager.sleep("text", 1))
+        self.fakes["text"].wake_latency = 10
+        d = manager.ensure_awake("text")
+        self.advance(2)
+        self.assertEqual(self.failureResultOf(d, Waking).value.depth, Depth.SLEEPING)
+        self.advance(10)
+
+    def test_status(self) -> None:
+        manager = self.manager()
+        self.serve(manager)
+        manager.request_started("text")
+        self.assertEqual(
+            manager.status()[0],
+            {
+                "name": "text",
+                "model": TEXT.model,
+                "url": TEXT.url,
+                "state": "awake",
+                "sleep_depth": None,
+                "sleep_level": None,
+                "active_requests": 1,
+                "held_requests": 0,
+                "last_activity": 0.0,
+                "wake_in_progress": False,
+            },
+        )
+        self.assertEqual(manager.status()[1]["state"], "unknown")
+        manager.request_finished("text")
+
+    def test_routes(self) -> None:
+        manager = self.manager()
+        self.serve(manager)
+        app = Klein()
+        admin_routes(app, manager)
+        admin = StubTreq(app.resource())
+
+        def call(path: str) -> tuple[int, Any]:
+            stub: Any = admin
+            d = stub.post("http://admin" + path)
+            self.pump()
+            admin.flush()
+            response = self.successResultOf(d)
+            body = self.successResultOf(treq.json_content(response))
+            return response.code, body
+
+        self.assertEqual(
+            call("/admin/sleep/text?level=2"),
+            (200, {"service": "text", "state": "asleep", "level": 2}),
+        )
+        self.assertEqual(self.fakes["text"].sleep_level, 2)
+        self.assertEqual(call("/admin/sleep/text?level=3")[0], 400)
+        self.assertEqual(call("/admin/sleep/nope")[0], 404)
+        self.assertEqual(call("/admin/wake/nope")[0], 404)
+        self.assertEqual(
+            call("/admin/wake/text"), (200, {"service": "text", "state": "awake"})
+        )
+        manager.request_started("text")
+        code, body = call("/admin/sleep/text")
+        self.assertEqual(code, 409)
+        self.assertIn("active", body["error"])
+        manager.request_finished("text")
+
+
+class RestartTests(_Harness):
+    def test_restart_mid_wake(self) -> None:
+        """
+        FD §10 case 12: nvproxy restarts while a wake runs; the new
+        instance joins the wake at the service instead of doubling it.
+        """
+        text = self.fakes["text"]
+        text.force_sleep(2)
+        text.wake_latency = 20.0
+        first = self.manager()
+        held = first.ensure_awake("text")
+        self.advance(5)
+        with open(f"{self.state_dir}/{STATE_FILE}") as f:
+            saved = json.load(f)
+        self.assertEqual(saved["services"]["text"], {"intent": "waking", "level": None})
+        first.stopService()
+        self.failureResultOf(held, ManagerStopped)
+        self.pump()
+        self.assertEqual(self.clock.getDelayedCalls(), [text._wake.timer])  # type: ignore[union-attr]
+        second = self.manager()
+        self.assertEqual(second.status()[0]["state"], "waking")
+        d = second.ensure_awake("text")
+        self.advance(20)
+        self.successResultOf(d)
+        self.assertEqual(text.wake_sequences, 1)
+        self.serve(second)
+        with open(f"{self.state_dir}/{STATE_FILE}") as f:
+            self.assertEqual(json.load(f)["services"]["text"]["intent"], "awake")
+
+    def test_restart_awake_service_found_asleep(self) -> None:
+        """Intent awake, but the service sleeps now (someone slept it): wake."""
+        manager = self.manager()
+        self.serve(manager)
+        manager.stopService()
+        self.fakes["text"].force_sleep(1)
+        second = self.manager()
+        self.advance(1)
+        self.assertTrue(second.is_awake("text"))
+        self.assertEqual(self.fakes["text"].wake_sequences, 1)
+        self.assertEqual(self.fakes["embed"].calls, [])
+
+    def test_restart_keeps_depth(self) -> None:
+        manager = self.manager(hold=VllmHold(sleeping=2, offloaded=50))
+        self.serve(manager)
+        self.successResultOf(manager.sleep("text", 1))
+        manager.stopService()
+        second = self.manager(hold=VllmHold(sleeping=2, offloaded=50))
+        status = second.status()[0]
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("asleep", "sleeping")
+        )
+        self.assertEqual(len(self.fakes["text"].calls), 4)  # no call at start
+        # the level-2 tier still applies after the restart
+        self.advance(180, step=1)
+        self.assertEqual(self.fakes["text"].sleep_level, 2)
+
+    def test_unreadable_state_file(self) -> None:
+        import os
+
+        os.makedirs(self.state_dir)
+        with open(f"{self.state_dir}/{STATE_FILE}", "w") as f:
+            f.write("{not json")
+        manager = self.manager()
+        self.assertEqual({s["state"] for s in manager.status()}, {"unknown"})
+
+    def test_stop_mid_everything(self) -> None:
+        """stopService cancels wakes, sleeps, holds and timers."""
+        self.fakes["text"].force_sleep(1)
+        self.fakes["text"].wake_latency = 50
+        manager = self.manager()
+        self.serve(manager, "embed")
+        # a request that bypasses nvproxy: /sleep?mode=wait waits for it
+        self.fakes["embed"].first_chunk_latency = 100
+        stub: Any = self.stub
+        direct = stub.post(
+            "http://embed.test/v1/chat/completions",
+            json={"model": EMBED.model, "messages": []},
+        )
+        direct.addErrback(lambda f: None)
+        self.pump()
+        held = manager.ensure_awake("text")
+        admin = manager.wake("text")
+        sleep = manager.sleep("embed", 1)
+        self.pump()
+        self.assertEqual(manager.status()[2]["state"], "sleeping")
+        manager.stopService()
+        self.failureResultOf(held, ManagerStopped)
+        self.failureResultOf(admin, ManagerStopped)
+        self.failureResultOf(sleep, ManagerStopped)
+        self.failureResultOf(manager.ensure_awake("text"), ManagerStopped)
+        self.failureResultOf(manager.sleep("text", 1), ManagerStopped)
+        self.pump()
+        for name in ("text", "embed"):
+            self.fakes[name].stop()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
