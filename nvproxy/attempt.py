@@ -73,7 +73,7 @@ class ClientSide:
     def __init__(
         self,
         request: Any,
-        error_body: Callable[[int, str], bytes],
+        error_body: Callable[[int, str, str | None], bytes],
     ) -> None:
         self.request = request
         self.gone = False
@@ -110,14 +110,20 @@ class ClientSide:
         self.aborted = True
         self.request.loseConnection()
 
-    def reject(self, status: int, message: str, retry_after: int | None = None) -> None:
+    def reject(
+        self,
+        status: int,
+        message: str,
+        retry_after: int | None = None,
+        code: str | None = None,
+    ) -> None:
         """
         Answer with a proxy-generated error in the engine's dialect.
         """
         if self.gone or self.request.finished:
             return
         request = self.request
-        body = self._error_body(status, message)
+        body = self._error_body(status, message, code)
         request.setResponseCode(status)
         request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
         request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])

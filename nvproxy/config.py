@@ -769,9 +769,14 @@ def _service(value: _Value) -> VllmServiceConfig:
         paths = []
         for entry in _items(item):
             path = _string(entry)
-            if not path.startswith("/"):
+            # "multipart:/v1/chat/completions" names the default for a
+            # multipart request on that path (the OCR-style service, FD §6.2).
+            bare = path.removeprefix("multipart:")
+            if not bare.startswith("/"):
                 raise ConfigError(
-                    entry.key, f'must be a path starting with "/", got {_show(path)}'
+                    entry.key,
+                    'must be a path starting with "/" (optionally prefixed '
+                    f'"multipart:"), got {_show(path)}',
                 )
             paths.append(path)
         service = attrs.evolve(service, default_for=tuple(paths))

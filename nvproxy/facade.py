@@ -17,6 +17,7 @@ Errors the proxy itself produces use the engine's error dialect.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +42,8 @@ from nvproxy.dispatch import (
 )
 from nvproxy.engines import Engine, RouteKind
 from nvproxy.inferstats import StatsMeter
+from nvproxy.pathnorm import normalize_path
+from nvproxy.vllm import ModelRequired, UnknownModel, VllmManager, WakingTarget
 
 log = Logger()
 
@@ -131,6 +134,7 @@ class Facade:
         hidden: Callable[[bytes], bool] | None = None,
         peer_of: Callable[[Any], str | None] | None = None,
         local: Callable[[str | None], Endpoint | None] | None = None,
+        vllm: VllmManager | None = None,
     ) -> None:
         self.engine = engine
         self._discovery = discovery
@@ -144,6 +148,7 @@ class Facade:
         self._hidden = hidden
         self._peer_of = peer_of
         self._local = local
+        self._vllm = vllm
         app = Klein()
         # Paths reach the facade exactly as sent: no slash merging or
         # redirects, the upstream decides what a path means.
@@ -191,8 +196,8 @@ class Facade:
             return
         ClientSide(request, self._error_body).reject(status, message)
 
-    def _error_body(self, status: int, message: str) -> bytes:
-        return self.engine.error_body(status, message)
+    def _error_body(self, status: int, message: str, code: str | None = None) -> bytes:
+        return self.engine.error_body(status, message, code)
 
     def _route(self, request: Any) -> Any:
         path: bytes = request.path
@@ -208,15 +213,9 @@ class Facade:
         client = ClientSide(request, self._error_body)
         model: str | None = None
         if kind is RouteKind.INFERENCE:
-            try:
-                model = self._model(request)
-            except BadBody as e:
-                client.reject(400, str(e))
+            model = self._inference_model(request, client)
+            if model is None:
                 return None
-            if model is None or not model:
-                client.reject(400, "model is required")
-                return None
-            model = self.engine.normalize_model(model)
         upstream = UpstreamRequest(
             method=request.method,
             path=request.uri,
@@ -259,15 +258,13 @@ class Facade:
             # The pin was removed while the connection stayed open.
             client.reject(403, "peer certificate is not pinned")
             return None
+        if kind is RouteKind.INVENTORY and self._vllm is not None:
+            return self._answer_json(request, self._vllm_models())
         model: str | None = None
         if kind is RouteKind.INFERENCE:
-            try:
-                model = self._model(request)
-            except BadBody as e:
-                client.reject(400, str(e))
+            model = self._inference_model(request, client)
+            if model is None:
                 return None
-            if model:
-                model = self.engine.normalize_model(model)
         endpoint = self._local(model) if self._local is not None else None
         if endpoint is None:
             client.reject(502, f"this node runs no {self.engine.name} engine")
@@ -293,6 +290,70 @@ class Facade:
             observer=accounting,
         )
         return _settle(d, client)
+
+    def _inference_model(self, request: Any, client: ClientSide) -> str | None:
+        """
+        The normalized model an inference request asks for, or C{None} after
+        answering the client (400 bad body or no model; vLLM: 404 unknown).
+        """
+        try:
+            model = self._model(request)
+        except BadBody as e:
+            client.reject(400, str(e))
+            return None
+        if self._vllm is not None:
+            return self._vllm_model(request, client, model)
+        if not model:
+            client.reject(400, "model is required")
+            return None
+        return self.engine.normalize_model(model)
+
+    def _vllm_model(
+        self, request: Any, client: ClientSide, model: str | None
+    ) -> str | None:
+        """
+        FD §6.2 step 1: the registry maps a model or alias (any case), or a
+        route's default when the body names none, to a service's model.  A
+        model the registry lacks is still served when another node
+        advertises it; otherwise it is a 404 and nothing wakes.
+        """
+        assert self._vllm is not None
+        kind, _ = media_type(request.getHeader(b"content-type"))
+        path = normalize_path(request.path) or request.path.decode("latin-1")
+        try:
+            service = self._vllm.registry.resolve(
+                model, path, kind == "multipart/form-data"
+            )
+        except ModelRequired:
+            client.reject(400, "model is required")
+            return None
+        except UnknownModel:
+            assert model is not None
+            if self._discovery.current.owners(self.engine.id, model):
+                return model
+            client.reject(
+                404,
+                f"The model `{model}` does not exist.",
+                code="model_not_found",
+            )
+            return None
+        if model != service.model and kind != "multipart/form-data":
+            # vLLM knows only its served name: an alias, another case or a
+            # route default becomes that name in the forwarded JSON body.
+            request.content = _with_model(request.content, service.model)
+        return service.model
+
+    def _vllm_models(self) -> dict[str, Any]:
+        assert self._vllm is not None
+        return {"object": "list", "data": self._vllm.registry.models()}
+
+    def _answer_json(self, request: Any, body: object) -> None:
+        data = json.dumps(body).encode()
+        request.setResponseCode(200)
+        request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
+        request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(data)])
+        request.write(data)
+        request.finish()
 
     def _subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
         return self._discovery.subscribe(lambda _snapshot: callback())
@@ -324,7 +385,11 @@ class Facade:
                 endpoint = (
                     entry.models[model] if model is not None else entry.endpoints[0]
                 )
-                targets.append(self._target(endpoint, upstream, client, accounting))
+                targets.append(
+                    self._target(
+                        endpoint, upstream, client, accounting, len(entries) > 1
+                    )
+                )
             return targets
 
         return resolve
@@ -335,8 +400,35 @@ class Facade:
         upstream: UpstreamRequest,
         client: ClientSide,
         accounting: RequestAccounting,
+        others: bool = False,
     ) -> Target:
         url = endpoint.base_url.rstrip("/").encode("ascii") + upstream.path
+        target = self._http_target(endpoint, url, upstream, client, accounting)
+        if (
+            self._vllm is not None
+            and endpoint.kind == "local"
+            and endpoint.service is not None
+        ):
+            # A local vLLM service is woken (and held for) before forwarding.
+            service = self._vllm.registry.service(endpoint.service)
+            return WakingTarget(
+                target,
+                self._vllm,
+                endpoint.service,
+                client,
+                service.model,
+                retry_elsewhere=others,
+            )
+        return target
+
+    def _http_target(
+        self,
+        endpoint: Endpoint,
+        url: bytes,
+        upstream: UpstreamRequest,
+        client: ClientSide,
+        accounting: RequestAccounting,
+    ) -> HttpTarget:
         return HttpTarget(
             node_id=endpoint.node_id,
             url=url,
@@ -359,6 +451,11 @@ class Facade:
             for entry in self._discovery.current.nodes(self.engine.id)
             for endpoint in entry.endpoints
         ]
+        local: list[object] = []
+        if self._vllm is not None:
+            # Registered services are listed without asking (or waking) them.
+            local.append(self._vllm_models())
+            endpoints = [e for e in endpoints if not (e.kind == "local" and e.service)]
 
         async def ask(endpoint: Endpoint) -> object:
             url = endpoint.base_url.rstrip("/") + listing.path
@@ -386,7 +483,7 @@ class Facade:
                 [Deferred.fromCoroutine(ask(e)) for e in endpoints],
                 consumeErrors=True,
             )
-            body = json.dumps(listing.merge(answers)).encode()
+            body = json.dumps(listing.merge([*local, *answers])).encode()
             if request.finished:
                 return
             request.setResponseCode(200)
@@ -400,6 +497,13 @@ class Facade:
             request.finish()
 
         return Deferred.fromCoroutine(merge())
+
+
+def _with_model(content: Any, model: str) -> io.BytesIO:
+    content.seek(0)
+    body = json.load(content)
+    body["model"] = model
+    return io.BytesIO(json.dumps(body).encode())
 
 
 def _settle(d: Deferred[JobOutcome], client: ClientSide) -> Deferred[object]:

@@ -48,17 +48,19 @@ from nvproxy.config import (
     default_backend,
     resolve_node_id,
 )
-from nvproxy.discovery import Discovery, Endpoint, PollingDiscovery
+from nvproxy.discovery import Discovery, Endpoint, NodeEntry, PollingDiscovery
 from nvproxy.dispatch import Dispatcher, DispatchPolicy
 from nvproxy.engines import ENGINES
 from nvproxy.facade import Facade
 from nvproxy.listener import DemuxFactory, tls_personality
 from nvproxy.logs import configure_twistd
 from nvproxy.metrics import Metrics
+from nvproxy.pathnorm import is_hidden
 from nvproxy.ports import PortStore, effective_port
 from nvproxy.scheduler import ReservationMap
 from nvproxy.site import FacadeSite
 from nvproxy.upstream import TreqInventoryClient, Upstream
+from nvproxy.vllm import VllmManager, admin_routes
 from nvproxy.workload import RingSink, WorkloadRecorder
 
 log = Logger()
@@ -269,12 +271,33 @@ class NvProxy(MultiService):
             reactor, config.dispatch.dial_timeout, tls_for=self._peer_tls
         )
         self.discovery = Discovery()
+        vllm_config = config.engines["vllm"]
+        self.vllm: VllmManager | None = None
+        static: dict[Endpoint, list[str]] = {}
+        if vllm_config.enabled and vllm_config.services:
+            self.vllm = VllmManager(
+                vllm_config.services,
+                vllm_config.hold,
+                self.upstream.treq,
+                reactor,
+                config.state_dir,
+                metrics=self.registry,
+            )
+            self.vllm.setServiceParent(self)  # type: ignore[no-untyped-call]
+            # A registered service advertises its model whatever its sleep
+            # state: asking a sleeping or restarting one would either wake it
+            # or lose its requests to a 502 instead of the depth-aware hold.
+            for endpoint in local_endpoints(config, node_id):
+                if endpoint.service is not None:
+                    service = self.vllm.registry.service(endpoint.service)
+                    static[endpoint] = [service.model]
         self.polling = PollingDiscovery(
             self.discovery,
             TreqInventoryClient(self.upstream.treq, reactor),
             reactor,
             self._endpoints(),
             interval=config.discovery_poll_interval,
+            static_models=static,
         )
         self.polling.setServiceParent(self)  # type: ignore[no-untyped-call]
         if cluster is not None:
@@ -305,6 +328,7 @@ class NvProxy(MultiService):
             ),
             self.metrics,
             self.pins,
+            awake=self._awake,
         )
         self.facades: dict[str, Facade] = {}
         self.listeners: dict[str, PortListener] = {}
@@ -315,7 +339,12 @@ class NvProxy(MultiService):
                 self._add_facade(engine_config)
         if config.admin_enabled:
             host, port = config.admin_listen
-            admin = admin_app(self, self.registry)
+            vllm = self.vllm
+            admin = admin_app(
+                self,
+                self.registry,
+                extra=(lambda app: admin_routes(app, vllm)) if vllm else None,
+            )
             site = _plain_site(admin.resource(), reactor)
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
@@ -376,6 +405,18 @@ class NvProxy(MultiService):
                 return endpoint
         return None
 
+    def _awake(self, engine_id: str, entry: NodeEntry, model: str | None) -> bool:
+        """
+        Whether C{entry} can serve C{model} without a wake: only this node's
+        vLLM services are known to sleep (DESIGN §4: awake owners first).
+        """
+        if self.vllm is None or entry.kind != "local" or model is None:
+            return True
+        endpoint = entry.models.get(model)
+        if endpoint is None or endpoint.service is None:
+            return True
+        return self.vllm.is_awake(endpoint.service)
+
     def _facade_factory(self, site: IProtocolFactory) -> IProtocolFactory:
         tls = None
         if self.server_tls is not None:
@@ -396,6 +437,8 @@ class NvProxy(MultiService):
             accounting=self.accounting,
             peer_of=self._peer_of,
             local=lambda model: self._local_endpoint(engine.id, model),
+            vllm=self.vllm if engine.id == "vllm" else None,
+            hidden=is_hidden,
         )
         limits = self.config.limits
         site = FacadeSite(
@@ -490,6 +533,7 @@ class NvProxy(MultiService):
             "inflight": self.dispatcher.inflight(),
             "generation": snapshot.generation,
             "reservations": dict(self._reservation_counts()),
+            "vllm": self.vllm.status() if self.vllm is not None else [],
             "loads": dict(self.reservations.snapshot_of_loads()),
         }
 

@@ -886,7 +886,8 @@ class ValidationTests(LoadTestsMixin):
                     service.format("a", 1) + "model = 'M'\n"
                     "default_for = ['v1/completions']\n",
                     "engines.vllm.services[0].default_for[0]: must be a path"
-                    ' starting with "/", got "v1/completions"',
+                    ' starting with "/" (optionally prefixed "multipart:"),'
+                    ' got "v1/completions"',
                 ),
                 (
                     "[engines.vllm]\nservices = {}\n",

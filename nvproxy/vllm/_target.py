@@ -35,12 +35,15 @@ class WakingTarget:
 
     When the hold passes (L{Waking}, also L{WakeFailed}):
 
-    * a non-final attempt reports C{AttemptFailed(node, STATUS, 503)}, so
-      dispatch tries another owner (DESIGN §5: retryable elsewhere);
-    * the final attempt answers the client itself with FD §6.2.1's 503
-      (C{Retry-After} by depth, the C{model_waking} body) and reports it
-      as C{Committed(node, 503)} with C{done} already fired: the job ends
-      failed with status 503, the body unchanged.
+    * a non-final attempt with other owners to try (C{retry_elsewhere})
+      reports C{AttemptFailed(node, STATUS, 503)}, so dispatch tries another
+      owner (DESIGN §5: retryable elsewhere);
+    * otherwise (the final attempt, or this service is the only owner, where
+      a retry would only hold the request again) the attempt answers the
+      client itself with FD §6.2.1's 503 (C{Retry-After} by depth, the
+      C{model_waking} body) and reports it as C{Committed(node, 503)} with
+      C{done} already fired: the job ends failed with status 503, the body
+      unchanged.
 
     Other failures of the wait (the manager stopped) are TRANSPORT failures.
     """
@@ -52,8 +55,10 @@ class WakingTarget:
         service: str,
         client: ClientSide,
         model: str | None = None,
+        retry_elsewhere: bool = True,
     ) -> None:
         config = manager.registry.service(service)
+        self.retry_elsewhere = retry_elsewhere
         self.node_id = inner.node_id
         self.inner = inner
         self.manager = manager
@@ -133,7 +138,7 @@ class _WakingAttempt:
             self._fire(AttemptFailed(node, FailureKind.TRANSPORT))
             return
         self._target.manager.answered_503(self._target.service, error.depth)
-        if not self._final:
+        if not self._final and self._target.retry_elsewhere:
             self._fire(AttemptFailed(node, FailureKind.STATUS, 503))
             return
         how = self._answer(error)

@@ -1,0 +1,250 @@
+"""
+The vLLM facade end to end on loopback: nvproxy in-process, fake vLLM
+services with the real sleep/wake API shape, real sockets (FD §6, §10).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from attrs import evolve
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, gatherResults
+
+from nvproxy.config import VllmHold, VllmServiceConfig
+from nvproxy.service import NvProxy
+from nvproxy.testing.fakevllm import FakeVLLM
+from nvproxy.testing.harness import facade_url, proxy_config, start_proxy
+from tests.test_forwarding import ProxyTestCase
+
+HIDDEN = [
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/v1/../sleep",
+    "/v1%2f..%2fsleep",
+    "/v1%2F..%2Fsleep",
+    "//sleep",
+    "/./sleep",
+    "/SLEEP",
+    "/%2573leep",
+    "/admin/status",
+    "/admin/sleep/text",
+]
+
+
+class VllmFacadeTests(ProxyTestCase):
+    async def start(
+        self, **hold: float
+    ) -> tuple[NvProxy, FakeVLLM, FakeVLLM, FakeVLLM]:
+        text = FakeVLLM(reactor, model="Qwen3-Text")
+        embed = FakeVLLM(reactor, model="Embed-8B")
+        ocr = FakeVLLM(reactor, model="OvisOCR2")
+        for fake in (text, embed, ocr):
+            fake.listen(reactor)
+            self.addCleanup(fake.stop)
+        services = (
+            VllmServiceConfig(
+                "text",
+                text.url,
+                "Qwen3-Text",
+                aliases=("qwen-text",),
+                default_for=("/v1/chat/completions", "/v1/completions"),
+            ),
+            VllmServiceConfig(
+                "embed", embed.url, "Embed-8B", default_for=("/v1/embeddings",)
+            ),
+            VllmServiceConfig(
+                "ocr",
+                ocr.url,
+                "OvisOCR2",
+                default_for=("multipart:/v1/chat/completions",),
+            ),
+        )
+        config = proxy_config(self.mktemp(), {"vllm": text.url}, admin=True)
+        engines = dict(config.engines)
+        engines["vllm"] = evolve(
+            engines["vllm"], services=services, hold=VllmHold(**hold)
+        )
+        proxy = await start_proxy(reactor, evolve(config, engines=engines))
+        self.addCleanup(proxy.stopService)
+        return proxy, text, embed, ocr
+
+    def admin(self, proxy: NvProxy) -> str:
+        return f"http://127.0.0.1:{proxy.admin.bound_port()}"
+
+    async def test_wakes_sleeping_service_then_serves(self) -> None:
+        """
+        FD §10 case 1: a request for a sleeping model wakes it (one wake
+        sequence, in order) and is served only once it is healthy; nothing
+        ever reaches the service while it sleeps.
+        """
+        proxy, text, _, _ = await self.start()
+        text.force_sleep(1)
+        code, _, body = await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions",
+            {"model": "qwen-text", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        self.assertEqual(code, 200, body)
+        self.assertEqual(json.loads(body)["model"], "Qwen3-Text")
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(text.violations, [])
+        paths = [path.split("?")[0] for _, _, path in text.calls]
+        for step in ("/wake_up", "/collective_rpc", "/reset_prefix_cache", "/health"):
+            self.assertIn(step, paths)
+        self.assertLess(paths.index("/wake_up"), paths.index("/v1/chat/completions"))
+
+    async def test_concurrent_requests_one_wake(self) -> None:
+        """
+        FD §10 case 9: ten concurrent requests while asleep, one wake.
+        """
+        proxy, text, _, _ = await self.start()
+        text.force_sleep(2)
+        text.wake_latency = 0.2
+        url = facade_url(proxy, "vllm") + "/v1/completions"
+        answers = await gatherResults(
+            [Deferred.fromCoroutine(self.post(url, {"prompt": "x"})) for _ in range(10)]
+        )
+        self.assertEqual([code for code, _, _ in answers], [200] * 10)
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(text.violations, [])
+
+    async def test_streaming_during_wake(self) -> None:
+        """
+        FD §10 case 5: a streaming request held during the wake gets its
+        whole stream after it.
+        """
+        proxy, text, _, _ = await self.start()
+        text.force_sleep(1)
+        text.wake_latency = 0.2
+        code, headers, body = await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions",
+            {"model": "Qwen3-Text", "stream": True, "messages": []},
+        )
+        self.assertEqual(code, 200)
+        self.assertTrue(body.rstrip().endswith(b"data: [DONE]"))
+        self.assertEqual(text.violations, [])
+
+    async def test_unknown_model_404_no_wake(self) -> None:
+        """
+        FD §10 case 6.
+        """
+        proxy, text, embed, ocr = await self.start()
+        text.force_sleep(1)
+        code, _, body = await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions",
+            {"model": "gpt-9", "messages": []},
+        )
+        self.assertEqual(code, 404)
+        error = json.loads(body)["error"]
+        self.assertEqual(error["code"], "model_not_found")
+        self.assertEqual(text.wake_calls, 0)
+
+    async def test_routing_defaults(self) -> None:
+        """
+        Embeddings go to the embed service whatever the body says; a
+        multipart chat with no model goes to the OCR service (FD §6.2).
+        """
+        proxy, text, embed, ocr = await self.start()
+        url = facade_url(proxy, "vllm")
+        code, _, _ = await self.post(url + "/v1/embeddings", {"input": "x"})
+        self.assertEqual(code, 200)
+        self.assertIn("/v1/embeddings", [p for _, _, p in embed.calls])
+        boundary = "b0und"
+        body = (
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+                f'filename="scan.png"\r\n\r\n'
+            ).encode()
+            + b"\x89PNG" * 1000
+            + f"\r\n--{boundary}--\r\n".encode()
+        )
+        code, _, answer = await self.client.request(
+            "POST",
+            url + "/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": [f"multipart/form-data; boundary={boundary}"]},
+        )
+        # Routed to the OCR service by the multipart default, body untouched
+        # (whatever that service then makes of it).
+        self.assertIn("/v1/chat/completions", [p for _, _, p in ocr.calls])
+        self.assertNotIn("/v1/chat/completions", [p for _, _, p in text.calls])
+
+    async def test_models_listed_without_waking(self) -> None:
+        proxy, text, embed, ocr = await self.start()
+        for fake in (text, embed, ocr):
+            fake.force_sleep(2)
+        code, _, body = await self.client.request(
+            "GET", facade_url(proxy, "vllm") + "/v1/models"
+        )
+        self.assertEqual(code, 200)
+        ids = sorted(m["id"] for m in json.loads(body)["data"])
+        self.assertEqual(ids, ["Embed-8B", "OvisOCR2", "Qwen3-Text"])
+        self.assertEqual([f.calls for f in (text, embed, ocr)], [[], [], []])
+
+    async def test_hidden_endpoints(self) -> None:
+        """
+        FD §10 cases 7 and 14: dev endpoints and /admin/* answer 404 on the
+        public port however the path is spelled, and never reach vLLM.
+        """
+        proxy, text, _, _ = await self.start()
+        url = facade_url(proxy, "vllm")
+        for path in HIDDEN:
+            for method in ("GET", "POST"):
+                code, _, _ = await self.client.request(method, url + path)
+                self.assertEqual(code, 404, f"{method} {path}")
+        self.assertEqual(text.calls, [])
+
+    async def test_depth_aware_503_when_down(self) -> None:
+        """
+        FD §10 case 8 with the hold shortened: a restarting service holds
+        the request, then answers 503 with Retry-After 600 and the
+        model_waking body.
+        """
+        proxy, text, _, _ = await self.start(
+            sleeping=0.3, offloaded=0.3, restarting=0.3
+        )
+        text.set_down()
+        code, headers, body = await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions",
+            {"model": "Qwen3-Text", "messages": []},
+        )
+        self.assertEqual(code, 503)
+        self.assertEqual(headers.getRawHeaders(b"retry-after"), [b"600"])
+        error = json.loads(body)["error"]
+        self.assertEqual(
+            (error["type"], error["code"], error["sleep_depth"]),
+            ("model_waking", "model_waking", "restarting"),
+        )
+        self.assertIn("estimated_wake_seconds", error)
+
+    async def test_admin_sleep_and_wake(self) -> None:
+        proxy, text, _, _ = await self.start()
+        admin = self.admin(proxy)
+        code, _, body = await self.client.request(
+            "POST", admin + "/admin/sleep/text?level=2"
+        )
+        self.assertEqual(code, 200, body)
+        self.assertTrue(text.is_sleeping)
+        status = await self._status(proxy)
+        text_status = next(s for s in status["vllm"] if s["name"] == "text")
+        self.assertEqual(text_status["sleep_depth"], "offloaded")
+        code, _, _ = await self.client.request("POST", admin + "/admin/wake/text")
+        self.assertEqual(code, 200)
+        self.assertFalse(text.is_sleeping)
+        code, _, _ = await self.client.request("POST", admin + "/admin/sleep/nope")
+        self.assertEqual(code, 404)
+        code, _, _ = await self.client.request(
+            "POST", admin + "/admin/sleep/text?level=3"
+        )
+        self.assertEqual(code, 400)
+
+    async def _status(self, proxy: NvProxy) -> Any:
+        code, _, body = await self.client.request(
+            "GET", self.admin(proxy) + "/admin/status"
+        )
+        self.assertEqual(code, 200)
+        return json.loads(body)
