@@ -38,7 +38,7 @@ HIDDEN = [
 
 class VllmFacadeTests(ProxyTestCase):
     async def start(
-        self, **hold: float
+        self, nodes: dict[str, dict[str, str]] | None = None, **hold: float
     ) -> tuple[NvProxy, FakeVLLM, FakeVLLM, FakeVLLM]:
         text = FakeVLLM(reactor, model="Qwen3-Text")
         embed = FakeVLLM(reactor, model="Embed-8B")
@@ -64,7 +64,9 @@ class VllmFacadeTests(ProxyTestCase):
                 default_for=("multipart:/v1/chat/completions",),
             ),
         )
-        config = proxy_config(self.mktemp(), {"vllm": text.url}, admin=True)
+        config = proxy_config(
+            self.mktemp(), {"vllm": text.url}, admin=True, nodes=nodes
+        )
         engines = dict(config.engines)
         engines["vllm"] = evolve(
             engines["vllm"], services=services, hold=VllmHold(**hold)
@@ -248,3 +250,29 @@ class VllmFacadeTests(ProxyTestCase):
         )
         self.assertEqual(code, 200)
         return json.loads(body)
+
+    async def test_awake_owner_before_sleeping_one(self) -> None:
+        """
+        DESIGN §4: with an awake owner elsewhere, a sleeping local service is
+        not woken; once no awake owner has the model, it is.
+        """
+        other = FakeVLLM(reactor, model="Qwen3-Text")
+        other.listen(reactor)
+        self.addCleanup(other.stop)
+        proxy, text, _, _ = await self.start(nodes={"gpu-2": {"vllm": other.url}})
+        self.assertEqual(
+            [e.node_id for e in proxy.discovery.current.owners("vllm", "Qwen3-Text")],
+            ["local", "gpu-2"],
+        )
+        text.force_sleep(1)
+        url = facade_url(proxy, "vllm") + "/v1/completions"
+        code, _, _ = await self.post(url, {"model": "Qwen3-Text", "prompt": "x"})
+        self.assertEqual(code, 200)
+        self.assertIn("/v1/completions", [p for _, _, p in other.calls])
+        self.assertEqual(text.wake_calls, 0)
+        other.set_down()
+        await proxy.polling.poll()
+        code, _, _ = await self.post(url, {"model": "Qwen3-Text", "prompt": "x"})
+        self.assertEqual(code, 200)
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(text.violations, [])

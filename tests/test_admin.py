@@ -1,0 +1,192 @@
+"""
+The admin API and C{nvproxyctl}, persisted ports (spec §8), aliases (§7)
+and client limits, on loopback.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+
+from attrs import evolve
+from twisted.internet import reactor
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import deferLater
+from twisted.internet.utils import getProcessOutputAndValue
+
+from nvproxy.ports import PortStore
+from nvproxy.testing.harness import facade_url, free_port, proxy_config, start_proxy
+from tests.test_forwarding import ProxyTestCase
+
+
+class AdminTests(ProxyTestCase):
+    async def test_set_port_moves_persists_and_restores(self) -> None:
+        """
+        set-port moves the live facade, persists the port, and a restart
+        comes back on it ahead of the configured port (§8).
+        """
+        fake = await self.engine("ollama", ["m:latest"])
+        state = os.path.abspath(self.mktemp())
+        config = proxy_config(state, {"ollama": fake.url}, admin=True)
+        proxy = await start_proxy(reactor, config)
+        admin = f"http://127.0.0.1:{proxy.admin.bound_port()}"
+        new = free_port()
+        code, _, body = await self.client.request(
+            "PUT",
+            admin + "/admin/engines/ollama/port",
+            data=json.dumps({"port": new}).encode(),
+        )
+        self.assertEqual(code, 200, body)
+        self.assertEqual(proxy.listeners["ollama"].bound_port(), new)
+        code, _, _ = await self.client.request(
+            "GET", f"http://127.0.0.1:{new}/api/tags"
+        )
+        self.assertEqual(code, 200)
+        self.assertEqual(PortStore(state).get("ollama"), new)
+        await proxy.stopService()
+
+        restarted = await start_proxy(reactor, config)
+        self.addCleanup(restarted.stopService)
+        self.assertEqual(restarted.listeners["ollama"].bound_port(), new)
+
+    async def test_set_port_errors(self) -> None:
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url}, admin=True)
+        admin = f"http://127.0.0.1:{proxy.admin.bound_port()}"
+        blocker = reactor.listenTCP(0, Factory(), interface="127.0.0.1")
+        self.addCleanup(blocker.stopListening)
+        taken = blocker.getHost().port
+        cases = [
+            ("ollama", {"port": 70000}, 400),
+            ("ollama", {"port": "x"}, 400),
+            ("tgi", {"port": 9000}, 404),
+            ("lmstudio", {"port": 9000}, 404),
+            ("ollama", {"port": taken}, 409),
+        ]
+        before = proxy.listeners["ollama"].bound_port()
+        for engine, body, expected in cases:
+            code, _, answer = await self.client.request(
+                "PUT",
+                admin + f"/admin/engines/{engine}/port",
+                data=json.dumps(body).encode(),
+            )
+            self.assertEqual(code, expected, (engine, body, answer))
+            self.assertIn("error", json.loads(answer))
+        # A failed move leaves the facade where it was, nothing persisted.
+        self.assertEqual(proxy.listeners["ollama"].bound_port(), before)
+        self.assertIsNone(PortStore(proxy.config.state_dir).get("ollama"))
+
+    async def test_nvproxyctl(self) -> None:
+        """
+        The console script talks to the admin API: status, select, set-port.
+        """
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url}, admin=True)
+        address = f"127.0.0.1:{proxy.admin.bound_port()}"
+
+        async def ctl(*argv: str) -> tuple[int, str]:
+            out, err, code = await getProcessOutputAndValue(
+                sys.executable,
+                ["-m", "nvproxy.ctl", "--admin", address, *argv],
+                env=dict(os.environ),
+            )
+            return code, (out + err).decode()
+
+        code, out = await ctl("status")
+        self.assertEqual(code, 0, out)
+        status = json.loads(out)
+        self.assertEqual(status["node_id"], "local")
+        self.assertEqual(status["nodes"], {"local": {"ollama": ["m:latest"]}})
+        code, out = await ctl("select", "ollama", "local")
+        self.assertEqual((code, json.loads(out)["selected"]), (0, "local"))
+        self.assertEqual(proxy.pins, {"ollama": "local"})
+        code, out = await ctl("select", "ollama", "--clear")
+        self.assertEqual(code, 0, out)
+        self.assertEqual(proxy.pins, {})
+        code, out = await ctl("set-port", "nope", "9999")
+        self.assertEqual(code, 1, out)
+        code, out = await ctl("--admin", "127.0.0.1:1", "status")
+        self.assertEqual(code, 1)
+        self.assertIn("cannot reach the admin API", out)
+
+    def test_ctl_usage(self) -> None:
+        from nvproxy.ctl import main
+
+        out = io.StringIO()
+        with self.assertRaises(SystemExit):
+            main(["frobnicate"], out)
+
+
+class _Hold(Protocol):
+    """
+    An HTTP client that starts a request and never finishes it.
+    """
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.write(b"GET /v1/models HTTP/1.1\r\n")
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+
+
+class LimitTests(ProxyTestCase):
+    async def test_connection_limit_fast_503(self) -> None:
+        fake = await self.engine("openai", ["m"])
+        proxy = await self.proxy({"lmstudio": fake.url})
+        proxy.sites["lmstudio"].max_connections = 2
+        port = proxy.listeners["lmstudio"].bound_port()
+        held = []
+        for _ in range(2):
+            protocol = _Hold()
+            await connectProtocol(
+                TCP4ClientEndpoint(reactor, "127.0.0.1", port), protocol
+            )
+            self.addCleanup(protocol.transport.loseConnection)  # type: ignore[union-attr]
+            held.append(protocol)
+        await deferLater(reactor, 0.05, lambda: None)
+        code, headers, body = await self.client.request(
+            "GET", facade_url(proxy, "lmstudio") + "/v1/models"
+        )
+        self.assertEqual(code, 503)
+        self.assertEqual(headers.getRawHeaders(b"retry-after"), [b"1"])
+        self.assertIn("too many connections", json.loads(body)["error"]["message"])
+
+
+class AliasTests(ProxyTestCase):
+    async def test_alias_serves_and_occupied_alias_is_contained(self) -> None:
+        """
+        An alias address enters the same routing path; an occupied alias is
+        a warning and leaves the primary listener up (§7).
+        """
+        fake = await self.engine("ollama", ["m:latest"])
+        config = proxy_config(self.mktemp(), {"ollama": fake.url})
+        alias_port, taken_port = free_port("127.0.0.2"), free_port("127.0.0.2")
+        blocker = reactor.listenTCP(taken_port, Factory(), interface="127.0.0.2")
+        self.addCleanup(blocker.stopListening)
+        engines = dict(config.engines)
+        engines["ollama"] = evolve(
+            engines["ollama"],
+            aliases=(("127.0.0.2", alias_port), ("127.0.0.2", taken_port)),
+        )
+        proxy = await start_proxy(reactor, evolve(config, engines=engines))
+        self.addCleanup(proxy.stopService)
+        self.assertEqual(
+            [a.listening is not None for a in proxy.aliases], [True, False]
+        )
+        self.assertIsNotNone(proxy.listeners["ollama"].listening)
+        code, _, body = await self.post(
+            f"http://127.0.0.2:{alias_port}/api/generate",
+            {"model": "m", "stream": False},
+        )
+        self.assertEqual(code, 200, body)
+        code, _, _ = await self.client.request(
+            "GET", facade_url(proxy, "ollama") + "/api/tags"
+        )
+        self.assertEqual(code, 200)
