@@ -391,6 +391,7 @@ class Config:
     nodes: tuple[NodeConfig, ...] = ()
     control: Control | None = None
     listen_interface: str = "127.0.0.1"
+    workload_log: str | None = None
     config_path: str | None = field(default=None, eq=False)
 
 
@@ -618,6 +619,7 @@ _KNOWN_ENGINES = ", ".join(ENGINES)
 
 
 _TOP_KEYS: Final = (
+    "workloads",
     "node_id",
     "state_dir",
     "log_format",
@@ -1082,6 +1084,12 @@ def load_config(
     if value := _pick(overrides, "cluster-dir", cluster, "cluster", "dir"):
         cluster_dir = _path(value)
 
+    workloads = _section(document, "workloads")
+    _known(workloads, "workloads", ("log",))
+    workload_log = None
+    if value := _get(workloads, "workloads", "log"):
+        workload_log = _path(value)
+
     engines = _engines(document)
     if admin_enabled:
         for engine in engines.values():
@@ -1106,6 +1114,7 @@ def load_config(
         nodes=nodes,
         control=control,
         listen_interface=listen_interface,
+        workload_log=workload_log,
         config_path=path,
     )
 

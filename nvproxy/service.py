@@ -13,7 +13,7 @@ import secrets
 import socket
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 from attrs import evolve
@@ -61,7 +61,7 @@ from nvproxy.scheduler import ReservationMap
 from nvproxy.site import FacadeSite
 from nvproxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.vllm import VllmManager, admin_routes
-from nvproxy.workload import RingSink, WorkloadRecorder
+from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
 
 log = Logger()
 
@@ -316,13 +316,24 @@ class NvProxy(MultiService):
         )
         self.reservations = ReservationMap()
         self.workloads = RingSink(maxlen=1000)
+        sinks: list[WorkloadSink] = [self.workloads]
+        self._workload_file: IO[str] | None = None
+        if config.workload_log is not None:
+            # Opened once at start; each event is one flushed JSON line.
+            try:
+                self._workload_file = open(config.workload_log, "a", encoding="utf-8")
+            except OSError as e:
+                raise ConfigError(
+                    "workloads.log", f"cannot open: {e.strerror}"
+                ) from None
+            sinks.append(JsonLinesSink(self._workload_file))
         self.metrics = Metrics(self.registry, self._reservation_counts)
         self.accounting = Accounting(
             reactor,
             self.reservations,
             WorkloadRecorder(
                 reactor,
-                [self.workloads],
+                sinks,
                 run_id=secrets.token_hex(8),
                 originated_from=node_id,
             ),
@@ -485,6 +496,8 @@ class NvProxy(MultiService):
         d = super().stopService()  # type: ignore[no-untyped-call]
         stopped: Deferred[Any] = d if isinstance(d, Deferred) else succeed(None)
         stopped.addBoth(lambda _: self.upstream.close())
+        if self._workload_file is not None:
+            self._workload_file.close()
         return stopped
 
     def ready(self) -> Deferred[Any]:

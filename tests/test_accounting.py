@@ -7,11 +7,14 @@ facades, pins, workload events with stats, metrics (spec §5 steps 2-3, §5.5,
 from __future__ import annotations
 
 import json
+import os
 
+from attrs import evolve
+from twisted.internet import reactor
 from twisted.internet.defer import Deferred, gatherResults
 
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
-from nvproxy.testing.harness import facade_url
+from nvproxy.testing.harness import facade_url, proxy_config, start_proxy
 from tests.test_forwarding import ProxyTestCase
 
 
@@ -142,6 +145,35 @@ class WorkloadTests(ProxyTestCase):
         self.assertIn("ttftMs", final["stats"])
         self.assertEqual(failed["workloadInfo"]["state"], "failed")
         self.assertNotIn("stats", failed["workloadInfo"])
+
+    async def test_json_lines_log(self) -> None:
+        """
+        With C{[workloads] log}, every event is also one JSON-RPC line.
+        """
+        fake = await self.engine("openai", ["m"])
+        path = os.path.abspath(self.mktemp())
+        config = evolve(
+            proxy_config(self.mktemp(), {"lmstudio": fake.url}), workload_log=path
+        )
+        proxy = await start_proxy(reactor, config)
+        self.addCleanup(proxy.stopService)
+        await self.post(
+            facade_url(proxy, "lmstudio") + "/v1/completions", {"model": "m"}
+        )
+        with open(path) as f:
+            lines = [json.loads(line) for line in f]
+        self.assertEqual(
+            [line["method"] for line in lines],
+            [
+                "workload:submitted",
+                "workload:submitted",
+                "workload:started",
+                "workload:completed",
+            ],
+        )
+        self.assertEqual({line["jsonrpc"] for line in lines}, {"2.0"})
+        info = lines[-1]["params"]["workloadInfo"]
+        self.assertEqual((info["engine"], info["model"]), ("lmstudio", "m"))
 
     async def test_metrics(self) -> None:
         fake = await self.engine("openai", ["m"])

@@ -1362,3 +1362,21 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(
             str(raised.exception), '--max-attempts: must be an integer >= 1, got "x"'
         )
+
+
+class WorkloadLogTests(SynchronousTestCase):
+    def test_workload_log(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write('[workloads]\nlog = "/var/log/nvproxy/workloads.jsonl"\n')
+        config = load_config(path, {}, {"HOME": "/nonexistent"})
+        self.assertEqual(config.workload_log, "/var/log/nvproxy/workloads.jsonl")
+        self.assertIsNone(load_config(None, {}, {"HOME": "/x"}).workload_log)
+
+    def test_unknown_key(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write("[workloads]\nfile = 'x'\n")
+        with self.assertRaises(ConfigError) as caught:
+            load_config(path, {}, {"HOME": "/x"})
+        self.assertEqual(str(caught.exception), "workloads.file: unknown key")
