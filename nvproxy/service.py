@@ -372,8 +372,9 @@ class NvProxy(MultiService):
             for peer in self.cluster.current.peers:
                 host = f"[{peer.address}]" if ":" in peer.address else peer.address
                 for engine_id, engine_config in self.config.engines.items():
-                    port = peer.port(engine_id)
-                    if engine_config.enabled and port is not None:
+                    # peers.json may leave an engine at its standalone port.
+                    port = peer.port(engine_id) or ENGINES[engine_id].standalone_port
+                    if engine_config.enabled:
                         endpoints.append(
                             Endpoint(
                                 peer.id, engine_id, "peer", f"https://{host}:{port}"
