@@ -73,6 +73,14 @@ class Options(_config.Options):
     logging before it calls L{makeService}'s result).
     """
 
+    def parseOptions(self, options: Any = None) -> None:
+        try:
+            super().parseOptions(options)
+        except usage.UsageError as e:
+            # One clear line, not twistd's whole usage text.
+            print(f"nvproxy: {e} (see twistd nvproxy --help)", file=sys.stderr)
+            raise SystemExit(2) from None
+
     def postOptions(self) -> None:
         try:
             super().postOptions()

@@ -233,3 +233,21 @@ class EndToEndTests(TestCase):
             output.strip().splitlines(),
             ['nvproxy: dispatch.max_attempts: must be an integer >= 1, got "five"'],
         )
+
+    async def test_unknown_flag_one_line(self) -> None:
+        protocol = _Twistd()
+        reactor.spawnProcess(
+            protocol,
+            sys.executable,
+            _twistd_argv("--no-such-flag"),
+            env=dict(os.environ),
+        )
+        code = await protocol.ended
+        self.assertEqual(code, 2)
+        self.assertEqual(
+            protocol.output.decode().strip().splitlines(),
+            [
+                "nvproxy: option --no-such-flag not recognized"
+                " (see twistd nvproxy --help)"
+            ],
+        )

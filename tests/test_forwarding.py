@@ -487,3 +487,39 @@ class BackpressureTests(ProxyTestCase):
         client.transport.resumeProducing()  # type: ignore[attr-defined]
         await client.closed
         self.assertGreater(client.received, size)
+
+
+class DisconnectTests(ProxyTestCase):
+    async def test_client_disconnect_cancels_upstream(self) -> None:
+        """
+        A client that goes away mid-stream ends the upstream request at
+        once, and the workload is cancelled, not failed (§5.3, §5.4).
+        """
+        from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+
+        fake = await self.engine("ollama", ["m:latest"])
+        fake.default = Behaviour(chunks=100, chunk_interval=0.05)
+        proxy = await self.proxy({"ollama": fake.url})
+        port = proxy.listeners["ollama"].bound_port()
+        body = b'{"model": "m", "messages": []}'
+        client = _SlowClient(
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), client)
+        assert client.transport is not None
+        client.transport.resumeProducing()  # type: ignore[attr-defined]
+        for _ in range(100):
+            if client.received:
+                break
+            await deferLater(reactor, 0.02, lambda: None)
+        self.assertEqual(fake.pending, 1)
+        client.transport.abortConnection()  # type: ignore[attr-defined]
+        await client.closed
+        for _ in range(100):
+            if fake.pending == 0:
+                break
+            await deferLater(reactor, 0.02, lambda: None)
+        self.assertEqual(fake.pending, 0)
+        workload = proxy.workloads.recent(1)[0]["workloadInfo"]
+        self.assertEqual(workload["state"], "cancelled")

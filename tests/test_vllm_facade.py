@@ -276,3 +276,32 @@ class VllmFacadeTests(ProxyTestCase):
         self.assertEqual(code, 200)
         self.assertEqual(text.wake_sequences, 1)
         self.assertEqual(text.violations, [])
+
+    async def test_nvproxyctl_wake_sleep_status(self) -> None:
+        import os
+        import sys
+
+        from twisted.internet.utils import getProcessOutputAndValue
+
+        proxy, text, _, _ = await self.start()
+        address = f"127.0.0.1:{proxy.admin.bound_port()}"
+
+        async def ctl(*argv: str) -> tuple[int, str]:
+            out, err, code = await getProcessOutputAndValue(
+                sys.executable,
+                ["-m", "nvproxy.ctl", "--admin", address, *argv],
+                env=dict(os.environ),
+            )
+            return code, (out + err).decode()
+
+        code, out = await ctl("sleep", "text", "--level", "1")
+        self.assertEqual(code, 0, out)
+        self.assertTrue(text.is_sleeping)
+        code, out = await ctl("status")
+        services = {s["name"]: s for s in json.loads(out)["vllm"]}
+        self.assertEqual(services["text"]["sleep_depth"], "sleeping")
+        code, out = await ctl("wake", "text")
+        self.assertEqual(code, 0, out)
+        self.assertFalse(text.is_sleeping)
+        code, out = await ctl("wake", "nope")
+        self.assertEqual(code, 1, out)
