@@ -214,7 +214,7 @@ class HttpAttempt:
         self._done: Deferred[StreamEnd] = Deferred()
         self._producer_registered = False
         headers = end_to_end(request.headers, REQUEST_DROP)
-        self._pending = agent.request(
+        self._pending: Deferred[IResponse] | None = agent.request(
             request.method,
             url,
             headers,
@@ -223,6 +223,11 @@ class HttpAttempt:
         if response_timeout > 0:
             self._timer = clock.callLater(response_timeout, self._header_timeout)
         self._pending.addCallbacks(self._headers, self._dial_failed)
+
+    def _cancel_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
 
     # -- claims -----------------------------------------------------------
 
@@ -249,7 +254,7 @@ class HttpAttempt:
     def _header_timeout(self) -> None:
         self._timer = None
         self._timed_out = True
-        self._pending.cancel()
+        self._cancel_pending()
 
     def _dial_failed(self, reason: Failure) -> None:
         if self._claim(_State.FAILED):
@@ -261,7 +266,7 @@ class HttpAttempt:
             self._fail(FailureKind.TRANSPORT)
 
     def _headers(self, response: IResponse) -> None:
-        self._pending = Deferred()  # nothing left to cancel at this stage
+        self._pending = None  # nothing left to cancel at this stage
         if self._state is not _State.WAITING_HEADERS:
             _discard(response)
             return
@@ -373,7 +378,7 @@ class HttpAttempt:
         if not self._claim(_State.CANCELLED):
             return
         self._stop_timer()
-        self._pending.cancel()
+        self._cancel_pending()
         self._stop_upstream()
         self._fail(FailureKind.TARGET_LOST)
 
@@ -385,7 +390,7 @@ class HttpAttempt:
         if not self._claim(_State.ABORTED):
             return
         self._stop_timer()
-        self._pending.cancel()
+        self._cancel_pending()
         self._unregister()
         self._stop_upstream()
         if committed:

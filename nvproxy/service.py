@@ -75,7 +75,7 @@ class Options(_config.Options):
 
     def parseOptions(self, options: Any = None) -> None:
         try:
-            super().parseOptions(options)
+            super().parseOptions(options)  # type: ignore[no-untyped-call]
         except usage.UsageError as e:
             # One clear line, not twistd's whole usage text.
             print(f"nvproxy: {e} (see twistd nvproxy --help)", file=sys.stderr)
