@@ -5,6 +5,11 @@ counting the requests received per path.
 
     python -m bench.engine --dialect ollama --port 0 --models m --chunks 200
     python -m bench.engine --models m --refuse    # advertises m, resets inference
+    python -m bench.engine --models m --chunks 5 --stream-chunks 200
+
+With C{--stream-chunks}, streamed requests (C{"stream"} true or absent, the
+Ollama default) answer with that many tokens and the others with C{--chunks},
+so one engine serves both the chat and the stream workloads.
 
 It prints C{listening on HOST:PORT} once ready and runs until SIGTERM/SIGINT.
 The recorded requests of the fake are dropped as they are counted, so a long
@@ -20,6 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, cast
 
+import attrs
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import (
@@ -43,9 +49,11 @@ class _CountingRoot(Resource):
 
     isLeaf = True
 
-    def __init__(self, engine: FakeEngine) -> None:
+    def __init__(self, engine: FakeEngine, streamed: Behaviour | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._engine = engine
+        self._plain = engine.default
+        self._streamed = streamed
         self._inner = engine.resource()
         self.counts: Counter[str] = Counter()
 
@@ -53,11 +61,29 @@ class _CountingRoot(Resource):
         if request.path == STATS_PATH:
             request.setHeader(b"Content-Type", b"application/json")
             return json.dumps(dict(self.counts)).encode("utf-8")
+        if self._streamed is not None:
+            self._engine.default = (
+                self._streamed if _is_streamed(request) else self._plain
+            )
         result = cast(int | bytes, self._inner.render(request))
         for recorded in self._engine.requests:
             self.counts[recorded.path] += 1
         self._engine.requests.clear()
         return result
+
+
+def _is_streamed(request: Request) -> bool:
+    """Whether an Ollama request body asks for a stream (the default)."""
+    content = request.content
+    if content is None:
+        return True
+    raw = content.read()
+    content.seek(0)
+    try:
+        body = json.loads(raw) if raw else {}
+    except ValueError:
+        return True
+    return not isinstance(body, dict) or body.get("stream", True) is not False
 
 
 class _QuietSite(Site):
@@ -76,6 +102,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--models", default="bench-model", help="comma-separated")
     parser.add_argument("--chunks", type=int, default=5, help="tokens per answer")
+    parser.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=None,
+        help="tokens per streamed answer (default: --chunks)",
+    )
     parser.add_argument(
         "--chunk-interval", type=float, default=0.0, help="seconds between parts"
     )
@@ -98,7 +130,11 @@ def _serve(reactor: Any, args: argparse.Namespace) -> Deferred[None]:
         latency=args.latency,
         refuse=args.refuse,
     )
-    site = _QuietSite(_CountingRoot(engine), reactor=reactor)  # type: ignore[no-untyped-call]
+    streamed = None
+    if args.stream_chunks is not None:
+        streamed = attrs.evolve(engine.default, chunks=args.stream_chunks)
+    root = _CountingRoot(engine, streamed)
+    site = _QuietSite(root, reactor=reactor)  # type: ignore[no-untyped-call]
     done: Deferred[None] = Deferred()
     listening: list[IListeningPort] = []
 

@@ -6,6 +6,7 @@ their CPU time and RSS read from C{/proc}.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -157,6 +158,7 @@ async def start_engine(
     models: Sequence[str],
     *,
     chunks: int = 5,
+    stream_chunks: int | None = None,
     chunk_interval: float = 0.0,
     refuse: bool = False,
 ) -> tuple[Proc, str]:
@@ -176,6 +178,8 @@ async def start_engine(
         "--chunk-interval",
         str(chunk_interval),
     ]
+    if stream_chunks is not None:
+        argv += ["--stream-chunks", str(stream_chunks)]
     if refuse:
         argv.append("--refuse")
     proc, line = await spawn(reactor, name, argv, workdir, b"listening on ")
@@ -190,6 +194,13 @@ class Proxy:
     proc: Proc
     facade: str
     admin: str
+    name: str = "nvproxy"
+    log: Path | None = None
+
+
+def _toml_string(text: str) -> str:
+    # A JSON string is a valid TOML basic string for everything we write.
+    return json.dumps(text)
 
 
 def _toml_config(
@@ -197,16 +208,18 @@ def _toml_config(
     facade_port: int,
     backend: str,
     nodes: Mapping[str, str],
+    node_id: str = "bench",
+    cluster_dir: Path | None = None,
 ) -> str:
     lines = [
-        'node_id = "bench"',
+        f"node_id = {_toml_string(node_id)}",
         "[admin]",
         f'listen = "127.0.0.1:{admin_port}"',
         "[discovery]",
         'poll_interval = "2s"',
         "[engines.ollama]",
         f"port = {facade_port}",
-        f'backend = "{backend}"',
+        f"backend = {_toml_string(backend)}",
         "[engines.lmstudio]",
         "enabled = false",
         "[engines.llamacpp]",
@@ -214,9 +227,104 @@ def _toml_config(
         "[engines.vllm]",
         "enabled = false",
     ]
-    for node_id, url in nodes.items():
-        lines += ["[[nodes]]", f'id = "{node_id}"', f'engines = {{ ollama = "{url}" }}']
+    if cluster_dir is not None:
+        lines += ["[cluster]", f"dir = {_toml_string(str(cluster_dir))}"]
+    for node_id_, url in nodes.items():
+        lines += [
+            "[[nodes]]",
+            f"id = {_toml_string(node_id_)}",
+            f"engines = {{ ollama = {_toml_string(url)} }}",
+        ]
     return "\n".join(lines) + "\n"
+
+
+async def launch_proxy(
+    reactor: Any,
+    workdir: Path,
+    backend: str,
+    nodes: Mapping[str, str] | None = None,
+    name: str = "nvproxy",
+    *,
+    node_id: str = "bench",
+    cluster_dir: Path | None = None,
+    facade_port: int | None = None,
+) -> Proxy:
+    """
+    Start C{twistd -n nvproxy} as node C{node_id} in front of C{backend} and the
+    direct C{nodes} (id -> Ollama URL), optionally a cluster member through
+    C{cluster_dir}; does not wait for it (see L{wait_ready}).
+    """
+    admin_port = free_port()
+    if facade_port is None:
+        facade_port = free_port()
+    state = Path(tempfile.mkdtemp(prefix="state-", dir=workdir))
+    config = workdir / f"{name}.toml"
+    config.write_text(
+        _toml_config(
+            admin_port, facade_port, backend, dict(nodes or {}), node_id, cluster_dir
+        )
+    )
+    log = workdir / f"{name}.log"
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from twisted.scripts.twistd import run; sys.exit(run())",
+        "-n",
+        "--pidfile=",
+        f"--logfile={log}",
+        "nvproxy",
+        "--config",
+        str(config),
+        "--state-dir",
+        str(state),
+    ]
+    proc, _ = await spawn(reactor, name, argv, workdir)
+    return Proxy(
+        proc,
+        f"http://127.0.0.1:{facade_port}",
+        f"http://127.0.0.1:{admin_port}",
+        name,
+        log,
+    )
+
+
+async def wait_ready(
+    reactor: Any,
+    proxy: Proxy,
+    want: Mapping[str, str],
+    timeout: float = 20.0,
+) -> dict[str, Any]:
+    """
+    Wait until the admin status of C{proxy} shows every node of C{want}
+    advertising the given Ollama model (an empty model: any model; Ollama
+    names without a tag are listed with C{:latest}), and
+    return that status.  Stops the daemon and raises L{BenchError} on timeout.
+    """
+    deadline = reactor.seconds() + timeout
+    last: object = None
+    while reactor.seconds() < deadline:
+        if proxy.proc.child.ended.called:
+            raise BenchError(f"{proxy.name} exited; see {proxy.log}")
+        try:
+            response = await treq.get(f"{proxy.admin}/admin/status", timeout=2)
+            status: dict[str, Any] = await response.json()
+        except Exception as e:
+            last = e
+        else:
+            nodes_seen: dict[str, dict[str, list[str]]] = status.get("nodes") or {}
+            last = status
+            if all(
+                (nodes_seen.get(node) or {}).get("ollama")
+                and (
+                    not model
+                    or {model, f"{model}:latest"} & set(nodes_seen[node]["ollama"])
+                )
+                for node, model in want.items()
+            ):
+                return status
+        await deferLater(reactor, 0.1)
+    await proxy.proc.stop(reactor)
+    raise BenchError(f"{proxy.name} not ready in {timeout}s (last: {last!r})")
 
 
 async def start_proxy(
@@ -233,51 +341,76 @@ async def start_proxy(
     models on the admin status.
     """
     nodes = dict(nodes or {})
-    admin_port, facade_port = free_port(), free_port()
-    state = Path(tempfile.mkdtemp(prefix="state-", dir=workdir))
-    config = workdir / f"{name}.toml"
-    config.write_text(_toml_config(admin_port, facade_port, backend, nodes))
-    argv = [
-        sys.executable,
-        "-c",
-        "import sys; from twisted.scripts.twistd import run; sys.exit(run())",
-        "-n",
-        "--pidfile=",
-        f"--logfile={workdir / f'{name}.log'}",
-        "nvproxy",
-        "--config",
-        str(config),
-        "--state-dir",
-        str(state),
-    ]
-    proc, _ = await spawn(reactor, name, argv, workdir)
-    proxy = Proxy(
-        proc,
-        f"http://127.0.0.1:{facade_port}",
-        f"http://127.0.0.1:{admin_port}",
-    )
-    want = {"bench", *nodes}
-    deadline = reactor.seconds() + timeout
-    last: object = None
-    while reactor.seconds() < deadline:
-        if proc.child.ended.called:
-            raise BenchError(f"{name} exited; see {workdir / f'{name}.log'}")
+    proxy = await launch_proxy(reactor, workdir, backend, nodes, name)
+    await wait_ready(reactor, proxy, dict.fromkeys({"bench", *nodes}, ""), timeout)
+    return proxy
+
+
+def init_cluster(
+    reactor: Any, workdir: Path, facade_ports: Mapping[str, int]
+) -> dict[str, Path]:
+    """
+    A cluster dir per node id of C{facade_ports} (node id -> its Ollama facade
+    port on 127.0.0.1), each with its own identity and every other node
+    pinned as a peer.  Returns node id -> cluster dir.
+    """
+    from nvproxy.cluster import ClusterDir, Peer
+
+    dirs = {node: ClusterDir(workdir / f"cluster-{node}") for node in facade_ports}
+    fingerprints = {node: d.init(node, reactor).fingerprint for node, d in dirs.items()}
+    for node, d in dirs.items():
+        for other, port in facade_ports.items():
+            if other != node:
+                d.add_peer(
+                    Peer(other, "127.0.0.1", fingerprints[other], {"ollama": port})
+                )
+    return {node: d.path for node, d in dirs.items()}
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes: set[str] = set()
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return inodes
+    for name in names:
         try:
-            response = await treq.get(f"{proxy.admin}/admin/status", timeout=2)
-            status: dict[str, Any] = await response.json()
-        except Exception as e:
-            last = e
-        else:
-            nodes_seen: dict[str, dict[str, list[str]]] = status.get("nodes") or {}
-            last = nodes_seen
-            advertised = {
-                n for n, engines in nodes_seen.items() if engines.get("ollama")
-            }
-            if want <= advertised:
-                return proxy
-        await deferLater(reactor, 0.1)
-    await proc.stop(reactor)
-    raise BenchError(f"nvproxy not ready in {timeout}s (last: {last!r})")
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def connected_ports(targets: Mapping[str, tuple[int, int]]) -> dict[str, set[int]]:
+    """
+    For each name -> (C{port}, C{pid}) of C{targets}: the local ports of the
+    established IPv4 TCP connections of process C{pid} whose remote end is
+    C{port} (the client ends of its connections to a server on C{port}).
+
+    Reads C{/proc/net/tcp} once, which takes milliseconds of kernel time
+    however few sockets there are: call it from another process
+    (L{bench.sampler}), and not often.
+    """
+    inodes = {name: _socket_inodes(pid) for name, (_, pid) in targets.items()}
+    found: dict[str, set[int]] = {name: set() for name in targets}
+    try:
+        with open("/proc/net/tcp") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        # sl local_address rem_address st ... uid timeout inode
+        if len(fields) < 10 or fields[3] != "01":  # ESTABLISHED
+            continue
+        remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+        for name, (port, _) in targets.items():
+            if remote_port == port and fields[9] in inodes[name]:
+                found[name].add(int(fields[1].rsplit(":", 1)[1], 16))
+    return found
 
 
 async def select(proxy: Proxy, node: str | None) -> None:

@@ -20,19 +20,24 @@ import resource
 import shutil
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
 from attrs import frozen
 from twisted.internet.defer import Deferred
+from twisted.internet.protocol import ProcessProtocol
 
 from bench import procs
 from bench.load import LoadGenerator, Samples, Workload, percentile, perf_now
+from nvproxy.testing.harness import free_port
 
 MODEL = "bench-model"
 STREAM_CHUNKS = 200
+LOCAL_MODEL = "local-m"  # mtls: only node A's engine has it
+REMOTE_MODEL = "remote-m"  # mtls: only node B's engine has it
+NODE_A, NODE_B = "node-a", "node-b"
 
 
 @frozen
@@ -45,10 +50,13 @@ class Plan:
     concurrencies: tuple[int, ...] = (1, 32)
     failover_concurrencies: tuple[int, ...] = (1, 32)
     request_timeout: float = 30.0
+    # mtls measures three paths for two workloads: shorter, to keep the run short
+    mtls_rounds: int = 2
+    mtls_round_seconds: float = 1.5
 
 
 FULL = Plan(rounds=4, round_seconds=2.0, warmup_seconds=0.5)
-QUICK = Plan(rounds=2, round_seconds=0.3, warmup_seconds=0.1)
+QUICK = Plan(rounds=2, round_seconds=0.3, warmup_seconds=0.1, mtls_round_seconds=0.3)
 
 
 @frozen
@@ -59,6 +67,7 @@ class Path_:
     url: str
     proxied: bool
     before_round: Callable[[], Awaitable[None]] | None = None
+    model: str | None = None  # instead of the workload's model
 
 
 @frozen
@@ -81,12 +90,19 @@ class Row:
     proxy_rss: int | None  # bytes, after the path's last round
     client_cpu_share: float  # load generator CPU seconds / wall seconds
     error_kinds: dict[str, int] = attrs.field(factory=dict)
+    # the second daemon (mtls: peer B), over the same rounds; None without one
+    peer_cpu_per_request: float | None = None
+    peer_rss: int | None = None
+    # inference requests (POST /api/chat) each watched engine received during
+    # the path's measured rounds; empty when no engine is watched
+    engine_requests: dict[str, int] = attrs.field(factory=dict)
 
 
 @attrs.define
 class Result:
     rows: list[Row] = attrs.field(factory=list)
     notes: list[str] = attrs.field(factory=list)
+    problems: list[str] = attrs.field(factory=list)  # failed checks
 
 
 @frozen
@@ -102,6 +118,13 @@ def _client_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+async def _chat_counts(engines: Mapping[str, str]) -> dict[str, int]:
+    return {
+        name: (await procs.engine_stats(url)).get("/api/chat", 0)
+        for name, url in engines.items()
+    }
+
+
 async def compare(
     ctx: Context,
     scenario: str,
@@ -109,32 +132,56 @@ async def compare(
     workload: Workload,
     concurrency: int,
     proxy: procs.Proxy,
+    *,
+    peer: procs.Proxy | None = None,
+    engines: Mapping[str, str] | None = None,
+    plan: Plan | None = None,
 ) -> list[Row]:
     """
     Run C{workload} over every path in alternating rounds (ABBA...): one
-    warm-up round each, then C{plan.rounds} measured rounds each.
+    warm-up round each, then C{plan.rounds} measured rounds each.  CPU and
+    RSS are read from C{proxy} and C{peer}; the inference requests that each
+    of C{engines} (name -> bench engine URL) received are counted per path.
     """
-    plan = ctx.plan
+    plan = ctx.plan if plan is None else plan
+    engines = engines or {}
     gen = LoadGenerator(ctx.reactor, perf_now, concurrency, plan.request_timeout)
     samples = {p.name: Samples() for p in paths}
     proxy_cpu = dict.fromkeys(samples, 0.0)
+    peer_cpu = dict.fromkeys(samples, 0.0)
     client_cpu = dict.fromkeys(samples, 0.0)
+    served = {name: dict.fromkeys(engines, 0) for name in samples}
     rss: dict[str, int] = {}
+    peer_rss: dict[str, int] = {}
+    daemons = [proxy] if peer is None else [proxy, peer]
+
+    def load(p: Path_) -> Workload:
+        return workload if p.model is None else attrs.evolve(workload, model=p.model)
+
     try:
         for p in paths:
             if p.before_round is not None:
                 await p.before_round()
-            await gen.round(p.url, workload, plan.warmup_seconds, Samples())
+            await gen.round(p.url, load(p), plan.warmup_seconds, Samples())
         for r in range(plan.rounds):
             for p in paths if r % 2 == 0 else list(reversed(paths)):
                 if p.before_round is not None:
                     await p.before_round()
-                before, cpu0 = proxy.proc.usage(), _client_cpu()
-                await gen.round(p.url, workload, plan.round_seconds, samples[p.name])
-                after, cpu1 = proxy.proc.usage(), _client_cpu()
-                proxy_cpu[p.name] += after.cpu - before.cpu
+                counts0 = await _chat_counts(engines)
+                before = [d.proc.usage() for d in daemons]
+                cpu0 = _client_cpu()
+                await gen.round(p.url, load(p), plan.round_seconds, samples[p.name])
+                after = [d.proc.usage() for d in daemons]
+                cpu1 = _client_cpu()
+                counts1 = await _chat_counts(engines)
+                proxy_cpu[p.name] += after[0].cpu - before[0].cpu
+                rss[p.name] = after[0].rss
+                if peer is not None:
+                    peer_cpu[p.name] += after[1].cpu - before[1].cpu
+                    peer_rss[p.name] = after[1].rss
                 client_cpu[p.name] += cpu1 - cpu0
-                rss[p.name] = after.rss
+                for name in engines:
+                    served[p.name][name] += counts1[name] - counts0[name]
     finally:
         await gen.close()
     rows = []
@@ -163,6 +210,13 @@ async def compare(
                 if s.elapsed
                 else math.nan,
                 error_kinds=dict(s.error_kinds),
+                peer_cpu_per_request=(
+                    peer_cpu[p.name] / n
+                    if peer is not None and p.proxied and n
+                    else None
+                ),
+                peer_rss=peer_rss.get(p.name) if p.proxied else None,
+                engine_requests=served[p.name],
             )
         )
     return rows
@@ -288,19 +342,260 @@ def _cluster_available() -> bool:
     return "cluster_dir" in fields and hasattr(cluster, "cluster_command")
 
 
+@attrs.define
+class _Seen:
+    initial: set[int] = attrs.field(factory=set)
+    seen: set[int] = attrs.field(factory=set)
+    most: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.initial)} open at the start,"
+            f" {len(self.seen - self.initial)} new,"
+            f" at most {self.most} open at once"
+        )
+
+
+class _SamplerProtocol(ProcessProtocol):
+    """
+    Reads the sampler's JSON lines; each becomes a call to C{on_sample}.
+    """
+
+    def __init__(self, on_sample: Callable[[dict[str, set[int]]], None]) -> None:
+        self._on_sample = on_sample
+        self._buffer = b""
+        self.first: Deferred[None] = Deferred()
+        self.ended: Deferred[None] = Deferred()
+
+    def outReceived(self, data: bytes) -> None:
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            sample = {k: set(v) for k, v in json.loads(line).items()}
+            self._on_sample(sample)
+            if not self.first.called:
+                self.first.callback(None)
+
+    def processEnded(self, reason: Any) -> None:
+        if not self.first.called:
+            self.first.errback(reason)
+        self.ended.callback(None)
+
+
+@attrs.define
+class ConnectionWatch:
+    """
+    Samples, every C{interval} seconds while started, the established
+    connections of each name -> (C{port}, C{pid}) of C{targets}: how many were
+    open at the start, how many new ones were seen and the most open at once.
+    A pool that keeps its connections alive opens about as many as it ever
+    needs at once, and none once it has them.  Sampling reads
+    C{/proc/net/tcp}, a few ms of kernel time, so it runs in a separate
+    process (L{bench.sampler}) and the load generator's reactor never
+    stalls; a connection that opens and closes between two samples is
+    missed, but a pool that churned would show many.
+    """
+
+    reactor: Any
+    targets: Mapping[str, tuple[int, int]]
+    interval: float = 0.25
+    seen: dict[str, _Seen] = attrs.field(factory=dict)
+    _process: Any = None
+    _protocol: _SamplerProtocol | None = None
+
+    def _merge(self, now: dict[str, set[int]]) -> None:
+        if not self.seen:
+            self.seen = {
+                name: _Seen(set(ports), set(ports), len(ports))
+                for name, ports in now.items()
+            }
+            return
+        for name, ports in now.items():
+            seen = self.seen[name]
+            seen.seen |= ports
+            seen.most = max(seen.most, len(ports))
+
+    async def start(self) -> None:
+        self._protocol = _SamplerProtocol(self._merge)
+        self._process = self.reactor.spawnProcess(
+            self._protocol,
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "bench.sampler",
+                str(self.interval),
+                json.dumps(dict(self.targets)),
+            ],
+            env=None,
+        )
+        await self._protocol.first
+
+    async def stop(self) -> None:
+        if self._protocol is not None and not self._protocol.ended.called:
+            self._process.signalProcess("TERM")
+            await self._protocol.ended
+        self._protocol = self._process = None
+
+    def describe(self, name: str) -> str:
+        return self.seen[name].describe()
+
+
 async def scenario_mtls(ctx: Context) -> Result:
     """
-    TODO(mtls-hop): node A -> peer B over mTLS -> engine, against
-    A -> engine directly.  Needs two daemons sharing a cluster dir
-    (C{nvproxyctl cluster init} on each, C{cluster add-peer} both ways, then
-    A configured with no local Ollama backend so the model is only B's).
-    Not written yet: skipped with a message.
+    Node A forwards to peer B over mutual TLS, B to its engine: two daemons,
+    each with an Ollama facade and a cluster dir pinning the other.  A's own
+    engine has L{LOCAL_MODEL}, B's engine (only B's backend) L{REMOTE_MODEL}.
+    Three paths in the same rounds: A's engine directly, A -> engine
+    (L{LOCAL_MODEL} through A) and A -> B -> engine (L{REMOTE_MODEL} through
+    A); non-streaming and streaming.  Both engines count the requests they
+    serve per round, which checks that every A -> B -> engine request reached
+    B's engine and no other.
     """
     if not _cluster_available():
-        why = "skipped: the cluster option ([cluster] dir) is not available"
-    else:
-        why = "skipped: TODO(mtls-hop) -- scenario not written yet"
-    return Result(notes=[f"mtls: {why}"])
+        return Result(
+            notes=["mtls: skipped: the cluster option ([cluster] dir) is not available"]
+        )
+    running: list[procs.Proc] = []
+    result = Result()
+    reactor = ctx.reactor
+    try:
+        engine_a, engine_a_url = await procs.start_engine(
+            reactor,
+            ctx.workdir,
+            "mtls-engine-a",
+            [LOCAL_MODEL],
+            stream_chunks=STREAM_CHUNKS,
+        )
+        running.append(engine_a)
+        engine_b, engine_b_url = await procs.start_engine(
+            reactor,
+            ctx.workdir,
+            "mtls-engine-b",
+            [REMOTE_MODEL],
+            stream_chunks=STREAM_CHUNKS,
+        )
+        running.append(engine_b)
+        facade_ports = {NODE_A: free_port(), NODE_B: free_port()}
+        dirs = procs.init_cluster(reactor, ctx.workdir, facade_ports)
+        daemons = {}
+        for node, backend in ((NODE_A, engine_a_url), (NODE_B, engine_b_url)):
+            daemons[node] = await procs.launch_proxy(
+                reactor,
+                ctx.workdir,
+                backend,
+                name=f"mtls-nvproxy-{node[-1]}",
+                node_id=node,
+                cluster_dir=dirs[node],
+                facade_port=facade_ports[node],
+            )
+            running.append(daemons[node].proc)
+        a, b = daemons[NODE_A], daemons[NODE_B]
+        await procs.wait_ready(reactor, b, {NODE_B: REMOTE_MODEL})
+        await procs.wait_ready(reactor, a, {NODE_A: LOCAL_MODEL, NODE_B: REMOTE_MODEL})
+        plan = attrs.evolve(
+            ctx.plan,
+            rounds=ctx.plan.mtls_rounds,
+            round_seconds=ctx.plan.mtls_round_seconds,
+        )
+        url = f"{a.facade}/api/chat"
+        paths = [
+            Path_("direct", f"{engine_a_url}/api/chat", proxied=False),
+            Path_("A->engine", url, proxied=True),
+            Path_("A->B->engine", url, proxied=True, model=REMOTE_MODEL),
+        ]
+        engines = {"A": engine_a_url, "B": engine_b_url}
+        watch = ConnectionWatch(
+            reactor,
+            {
+                "A->B": (facade_ports[NODE_B], a.proc.pid),
+                "B->engine": (_port_of(engine_b_url), b.proc.pid),
+            },
+        )
+        for scenario, stream in (("mtls", False), ("mtls-stream", True)):
+            workload = Workload(LOCAL_MODEL, stream=stream)
+            for c in ctx.plan.concurrencies:
+                await watch.start()
+                try:
+                    rows = await compare(
+                        ctx,
+                        scenario,
+                        paths,
+                        workload,
+                        c,
+                        a,
+                        peer=b,
+                        engines=engines,
+                        plan=plan,
+                    )
+                finally:
+                    await watch.stop()
+                result.rows += rows
+                _progress(ctx, rows)
+                _mtls_notes(result, rows, watch)
+    finally:
+        await _stop_all(ctx, running)
+    return result
+
+
+def _port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/", 1)[0])
+
+
+def _mtls_notes(
+    result: Result,
+    rows: Sequence[Row],
+    watch: ConnectionWatch,
+) -> None:
+    """The cost of the mTLS hop, and the check of who served what."""
+    by_path = {r.path: r for r in rows}
+    direct, local, remote = (
+        by_path["direct"],
+        by_path["A->engine"],
+        by_path["A->B->engine"],
+    )
+    label = f"{remote.scenario} c={remote.concurrency}"
+    a_cpu, a_local_cpu = remote.proxy_cpu_per_request, local.proxy_cpu_per_request
+    b_cpu = remote.peer_cpu_per_request
+    total = None if a_cpu is None or b_cpu is None else a_cpu + b_cpu
+    result.notes.append(
+        f"{label}: the mTLS hop (A->B->engine vs A->engine) adds"
+        f" p50 TTFB {(remote.ttfb_p50 - local.ttfb_p50) * 1e3:+.2f} ms"
+        f" (p99 {(remote.ttfb_p99 - local.ttfb_p99) * 1e3:+.2f} ms),"
+        f" p50 latency {(remote.p50 - local.p50) * 1e3:+.2f} ms;"
+        f" ratios rps x{_ratio(remote.rps, local.rps)},"
+        f" lat x{_ratio(remote.p50, local.p50)},"
+        f" ttfb x{_ratio(remote.ttfb_p50, local.ttfb_p50)}"
+        f" (vs direct: x{_ratio(remote.rps, direct.rps)},"
+        f" x{_ratio(remote.p50, direct.p50)},"
+        f" x{_ratio(remote.ttfb_p50, direct.ttfb_p50)});"
+        f" CPU/request A {_us(a_cpu)} + B {_us(b_cpu)} = {_us(total)} us"
+        f" vs A alone {_us(a_local_cpu)} us"
+    )
+    if remote.scenario.endswith("stream"):
+        result.notes.append(
+            f"{label}: chunks/request direct {_lines(direct)},"
+            f" A->engine {_lines(local)}, A->B->engine {_lines(remote)}"
+        )
+    checks = []
+    for row, mine, other in ((remote, "B", "A"), (local, "A", "B"), (direct, "A", "B")):
+        sent = row.requests + row.errors
+        got, stray = row.engine_requests.get(mine, 0), row.engine_requests.get(other, 0)
+        ok = got == sent and stray == 0
+        checks.append(
+            f"{row.path}: engine {mine} served {got}/{sent}, engine {other} {stray}"
+            + ("" if ok else " MISMATCH")
+        )
+        if not ok:
+            result.problems.append(
+                f"{label} {row.path}: {sent} requests sent in measured rounds,"
+                f" engine {mine} served {got}, engine {other} {stray}"
+            )
+    result.notes.append(f"{label}: measured requests per engine: " + "; ".join(checks))
+    result.notes.append(
+        f"{label}: connections (warm-up included) A->B facade (mTLS):"
+        f" {watch.describe('A->B')}; B->engine: {watch.describe('B->engine')}"
+    )
 
 
 SCENARIOS: dict[str, Callable[[Context], Awaitable[Result]]] = {
@@ -342,6 +637,7 @@ _HEADER = (
     "ttfb x",
     "+p50 ms",
     "cpu us/req",
+    "peer us/req",
     "rss MB",
     "gen cpu",
     "err",
@@ -368,6 +664,7 @@ def _cells(row: Row, base: Row | None) -> tuple[str, ...]:
         _ms(row.ttfb_p99),
         *ratios,
         _us(row.proxy_cpu_per_request),
+        _us(row.peer_cpu_per_request),
         "-" if row.proxy_rss is None else f"{row.proxy_rss / 2**20:.1f}",
         f"{row.client_cpu_share:.0%}",
         str(row.errors),
@@ -491,6 +788,9 @@ async def run(reactor: Any, args: argparse.Namespace, out: TextIO) -> int:
                 continue
             total.rows += result.rows
             total.notes += result.notes
+            for problem in result.problems:
+                out.write(f"  {name} check failed: {problem}\n")
+                failed = True
     finally:
         if failed or args.keep:
             out.write(f"work dir kept: {workdir}\n")
@@ -502,8 +802,9 @@ async def run(reactor: Any, args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"* {note}\n")
     out.write(
         f"\n{'quick' if args.quick else 'full'} run, {perf_now() - started:.0f} s;"
-        " ratios are nvproxy/direct (rps x: throughput, lat x: p50 latency,"
-        " ttfb x: p50 time to first byte)\n"
+        " ratios are against the direct row above (rps x: throughput, lat x:"
+        " p50 latency, ttfb x: p50 time to first byte); peer us/req: CPU of the"
+        " second daemon (mtls: B)\n"
     )
     if args.json:
         document = {
