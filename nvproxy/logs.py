@@ -73,16 +73,31 @@ def text_observer(out: IO[str] | None = None) -> ILogObserver:
     return FileLogObserver(stream, formatEventAsClassicLogText)
 
 
+_level = LogLevelFilterPredicate(defaultLogLevel=LogLevel.info)
+
+
+def set_level(level: str) -> None:
+    """
+    Change the level of the running log output (C{log/set-level}).
+    """
+    _level.defaultLogLevel = LogLevel.levelWithName(level)
+
+
 _twistd_settings: dict[str, object] = {
     "format": "text",
     "level": "info",
     "logfile": None,
     "nodaemon": True,
+    "stderr": False,
 }
 
 
 def configure_twistd(
-    log_format: str, level: str, logfile: str | None, nodaemon: bool
+    log_format: str,
+    level: str,
+    logfile: str | None,
+    nodaemon: bool,
+    stderr: bool = False,
 ) -> str:
     """
     Remember how twistd should log and return the dotted name of the
@@ -90,7 +105,11 @@ def configure_twistd(
     when it starts logging, after options are parsed).
     """
     _twistd_settings.update(
-        format=log_format, level=level, logfile=logfile, nodaemon=nodaemon
+        format=log_format,
+        level=level,
+        logfile=logfile,
+        nodaemon=nodaemon,
+        stderr=stderr,
     )
     return f"{__name__}.twistd_observer"
 
@@ -105,10 +124,13 @@ def twistd_observer() -> ILogObserver:
     settings = _twistd_settings
     logfile = settings["logfile"]
     assert logfile is None or isinstance(logfile, str)
-    if logfile == "-" or (logfile is None and settings["nodaemon"]):
-        out: IO[str] = sys.stdout
+    if settings["stderr"] and logfile in (None, "-"):
+        # Standard output carries the broker link.
+        out: IO[str] = sys.stderr
+    elif logfile == "-" or (logfile is None and settings["nodaemon"]):
+        out = sys.stdout
     else:
         out = open(logfile or "twistd.log", "a", encoding="utf-8")
     inner = json_observer(out) if settings["format"] == "json" else text_observer(out)
-    level = LogLevel.levelWithName(str(settings["level"]))
-    return FilteringLogObserver(inner, [LogLevelFilterPredicate(defaultLogLevel=level)])
+    set_level(str(settings["level"]))
+    return FilteringLogObserver(inner, [_level])

@@ -12,7 +12,7 @@ import random
 import secrets
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 from urllib.parse import urlsplit
 
@@ -27,6 +27,7 @@ from twisted.internet.interfaces import (
     IOpenSSLClientConnectionCreator,
     IProtocolFactory,
 )
+from twisted.internet.stdio import StandardIO
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
@@ -48,16 +49,17 @@ from nvproxy.config import (
     default_backend,
     resolve_node_id,
 )
+from nvproxy.control import ControlLink
 from nvproxy.discovery import Discovery, Endpoint, NodeEntry, PollingDiscovery
 from nvproxy.dispatch import Dispatcher, DispatchPolicy
 from nvproxy.engines import ENGINES
 from nvproxy.facade import Facade
 from nvproxy.listener import DemuxFactory, tls_personality
-from nvproxy.logs import configure_twistd
+from nvproxy.logs import configure_twistd, set_level
 from nvproxy.metrics import Metrics
 from nvproxy.pathnorm import is_hidden
 from nvproxy.ports import PortStore, effective_port
-from nvproxy.scheduler import ReservationMap
+from nvproxy.scheduler import ReservationMap, SchedulerSnapshot
 from nvproxy.site import FacadeSite
 from nvproxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.vllm import VllmManager, admin_routes
@@ -102,6 +104,7 @@ class Options(_config.Options):
                 level,
                 parent.get("logfile"),
                 bool(parent.get("nodaemon")),
+                stderr=self.config.control == "stdio",
             )
 
 
@@ -204,8 +207,14 @@ class PortListener(Service):
         return _port_of(self.listening)
 
 
-def _effective(engine_config: EngineConfig, ports: PortStore) -> EngineConfig:
-    port = effective_port(engine_config, ports)
+class CannotListen(Exception):
+    pass
+
+
+def _effective(
+    engine_config: EngineConfig, ports: PortStore, ignore_persisted: bool = False
+) -> EngineConfig:
+    port = effective_port(engine_config, ports, ignore_persisted)
     backend = engine_config.backend
     if not engine_config.backend_configured:
         backend = default_backend(engine_config.id, port)
@@ -325,6 +334,10 @@ class NvProxy(MultiService):
         self.reservations = ReservationMap()
         self.workloads = RingSink(maxlen=1000)
         sinks: list[WorkloadSink] = [self.workloads]
+        self.link: ControlLink | None = None
+        if config.control == "stdio":
+            self.link = ControlLink(self, lambda: self._link_closed())
+            sinks.append(self.link)
         self._workload_file: IO[str] | None = None
         if config.workload_log is not None:
             # Opened once at start; each event is one flushed JSON line.
@@ -353,9 +366,13 @@ class NvProxy(MultiService):
         self.listeners: dict[str, PortListener] = {}
         self.aliases: list[PortListener] = []
         self.sites: dict[str, FacadeSite] = {}
-        for engine_config in config.engines.values():
-            if engine_config.enabled:
-                self._add_facade(engine_config)
+        self._engine_aliases: dict[str, list[PortListener]] = {}
+        if config.control is None:
+            # With the broker link the process starts with no facade and
+            # waits for facade/enable (spec §3).
+            for engine_config in config.engines.values():
+                if engine_config.enabled:
+                    self._add_facade(engine_config)
         if config.admin_enabled:
             host, port = config.admin_listen
             vllm = self.vllm
@@ -491,9 +508,83 @@ class NvProxy(MultiService):
             )
             alias.setServiceParent(self)  # type: ignore[no-untyped-call]
             self.aliases.append(alias)
+            self._engine_aliases.setdefault(engine.id, []).append(alias)
         self.facades[engine.id] = facade
         self.sites[engine.id] = site
         self.listeners[engine.id] = listener
+
+    # -- ControlTarget (the broker link) ------------------------------------
+
+    def enable_facade(
+        self,
+        engine: str,
+        port: int,
+        aliases: Sequence[tuple[str, int]],
+        ignore_persisted: bool,
+    ) -> Deferred[int]:
+        """
+        Start C{engine}'s facade (spec §3): a persisted port wins over
+        C{port} unless C{ignore_persisted} (§8); C{0} is the standalone
+        default.  Fires with the bound port; fails if it cannot listen, and
+        then leaves nothing of it behind.
+        """
+
+        async def enable() -> int:
+            listener = self.listeners.get(engine)
+            if listener is not None and listener.listening is not None:
+                return _port_of(listener.listening)
+            if listener is not None:
+                await self.disable_facade(engine)
+            configured = evolve(
+                self.config.engines[engine],
+                enabled=True,
+                port=port,
+                aliases=tuple(aliases),
+            )
+            effective = _effective(configured, self.ports, ignore_persisted)
+            self.engine_configs[engine] = effective
+            self._add_facade(effective)
+            listening = await self.listeners[engine].ready
+            if not listening:
+                error = self.listeners[engine].error
+                await self.disable_facade(engine)
+                raise CannotListen(error or "cannot listen")
+            self.polling.set_endpoints(self._endpoints())
+            return self.listeners[engine].bound_port() or effective.port
+
+        return Deferred.fromCoroutine(enable())
+
+    def disable_facade(self, engine: str) -> Deferred[None]:
+        async def disable() -> None:
+            listener = self.listeners.pop(engine, None)
+            self.facades.pop(engine, None)
+            self.sites.pop(engine, None)
+            for service in [listener, *self._engine_aliases.pop(engine, [])]:
+                if service is None:
+                    continue
+                if service in self.aliases:
+                    self.aliases.remove(service)
+                stopped = service.disownServiceParent()  # type: ignore[no-untyped-call]
+                if isinstance(stopped, Deferred):
+                    await stopped
+
+        return Deferred.fromCoroutine(disable())
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        if self.link is not None and self.link.transport is None:
+            StandardIO(self.link, reactor=self.reactor)
+
+    def _link_closed(self) -> None:
+        # §11: broker link closed -> facades stop serving, the pool closes.
+        if self.running:
+            self.reactor.stop()
+
+    def apply_priority(self, snapshot: SchedulerSnapshot) -> bool:
+        return self.reservations.apply_snapshot(snapshot)
+
+    def set_log_level(self, level: str) -> None:
+        set_level(level)
 
     def _reservation_counts(self) -> Mapping[str, int]:
         snapshot = self.discovery.current

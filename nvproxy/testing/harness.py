@@ -82,7 +82,7 @@ async def start_proxy(reactor: Any, config: Config) -> NvProxy:
     the first inventory poll finished.
     """
     proxy = build(config, reactor, hostname="local")
-    proxy.startService()  # type: ignore[no-untyped-call]
+    proxy.startService()
     await proxy.ready()
     await proxy.polling.poll()
     return proxy
