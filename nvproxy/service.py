@@ -729,6 +729,6 @@ def makeService(options: usage.Options) -> NvProxy:
     log.info(
         "nvproxy node {node} starting with engines {engines}",
         node=service.node_id,
-        engines=",".join(service.facades),
+        engines=",".join(service.facades) or "none (waiting for facade/enable)",
     )
     return service

@@ -251,3 +251,52 @@ class EndToEndTests(TestCase):
                 " (see twistd nvproxy --help)"
             ],
         )
+
+    async def test_broker_link_over_stdio(self) -> None:
+        """
+        C{--control stdio}: no facade until the broker enables one over
+        stdin; ready and workload events come back on stdout; closing stdin
+        stops the process.
+        """
+        fake = FakeEngine("openai", ["m"], reactor)
+        await fake.listen(reactor)
+        self.addCleanup(fake.stop)
+        admin, port = free_port(), free_port()
+        config = textwrap.dedent(
+            f"""
+            [admin]
+            listen = "127.0.0.1:{admin}"
+            [discovery]
+            poll_interval = "100ms"
+            [engines.lmstudio]
+            backend = "{fake.url}"
+            """
+        )
+        protocol, _ = await self.start(config, "--control", "stdio")
+        protocol.transport.write(  # type: ignore[attr-defined]
+            b'{"jsonrpc":"2.0","id":1,"method":"facade/enable",'
+            b'"params":{"engine":"lmstudio","port":%d}}\n' % port
+        )
+        for _ in range(100):
+            if b'"id":1' in protocol.output:
+                break
+            await deferLater(reactor, 0.05, lambda: None)
+        self.assertIn(
+            b'"method":"lmstudio:ready","params":{"port":%d}' % port, protocol.output
+        )
+        await self.wait_for(protocol, f"http://127.0.0.1:{admin}/admin/status")
+        client = Client(reactor, persistent=False)
+        self.addCleanup(client.close)
+        code, _, _ = await client.request(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=b'{"model": "m", "prompt": "x"}',
+        )
+        self.assertEqual(code, 200)
+        for _ in range(100):
+            if b"workload:completed" in protocol.output:
+                break
+            await deferLater(reactor, 0.05, lambda: None)
+        self.assertIn(b'"method":"workload:completed"', protocol.output)
+        protocol.transport.closeStdin()  # type: ignore[attr-defined]
+        self.assertIn(await protocol.ended, (0, -signal.SIGTERM))
