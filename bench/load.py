@@ -14,14 +14,15 @@ from typing import Any, cast
 
 import attrs
 from attrs import frozen
-from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
-from twisted.internet.interfaces import IConsumer, IPushProducer
+from twisted.internet.defer import CancelledError, Deferred, gatherResults
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IBodyProducer, IResponse
-from zope.interface import implementer
+from twisted.web.iweb import IResponse
+
+from nvproxy.upstream import BytesProducer
 
 Now = Callable[[], float]
 
@@ -139,7 +140,7 @@ class LoadGenerator:
                 b"POST",
                 url,
                 Headers({b"content-type": [b"application/json"]}),
-                _BytesProducer(body),
+                BytesProducer(body),
             )
         except CancelledError:
             samples.error("timeout")
@@ -192,28 +193,6 @@ class LoadGenerator:
     def close(self) -> Deferred[None]:
         closed: Deferred[None] = self.pool.closeCachedConnections()
         return closed
-
-
-@implementer(IBodyProducer)
-class _BytesProducer:
-    """A request body already in memory, written in one go."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-        self.length = len(data)
-
-    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        consumer.write(self._data)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
 
 
 def perf_now() -> float:

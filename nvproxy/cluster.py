@@ -61,7 +61,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TextIO, cast
@@ -87,6 +86,8 @@ from twisted.python.failure import Failure
 from twisted.web.client import BrowserLikePolicyForHTTPS
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
+
+from nvproxy.files import atomic_write
 
 __all__ = [
     "DEFAULT_CLUSTER_DIR",
@@ -336,32 +337,6 @@ class ClusterState:
 # -- the directory ---------------------------------------------------------------
 
 
-def _atomic_write(path: Path, data: bytes, mode: int, *, exclusive: bool) -> None:
-    """
-    Write C{data} to a temporary file beside C{path}, fsync, then rename it into
-    place (C{exclusive}: link it, failing if C{path} exists).
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if exclusive:
-            os.link(tmp, path)
-        else:
-            os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
 def _make_identity(node_id: str, now: datetime.datetime) -> Identity:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)])
@@ -449,8 +424,8 @@ class ClusterDir:
         cert_pem = identity.certificate.public_bytes(serialization.Encoding.PEM)
         try:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _atomic_write(self.key_path, key_pem, 0o600, exclusive=True)
-            _atomic_write(self.cert_path, cert_pem, 0o644, exclusive=True)
+            atomic_write(self.key_path, key_pem, mode=0o600, exclusive=True)
+            atomic_write(self.cert_path, cert_pem, mode=0o644, exclusive=True)
         except FileExistsError as e:
             raise ClusterError(
                 f"{e.filename2 or e.filename} appeared while initializing; "
@@ -572,7 +547,7 @@ class ClusterDir:
         data = (json.dumps(document, indent=2) + "\n").encode("utf-8")
         try:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _atomic_write(self.peers_path, data, 0o644, exclusive=False)
+            atomic_write(self.peers_path, data, mode=0o644)
         except OSError as e:
             raise ClusterError(f"cannot write {self.peers_path}: {e.strerror}") from e
 

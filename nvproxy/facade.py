@@ -211,18 +211,10 @@ class Facade:
         if kind is RouteKind.INVENTORY:
             return self._inventory(request, text)
         client = ClientSide(request, self._error_body)
-        model: str | None = None
-        if kind is RouteKind.INFERENCE:
-            model = self._inference_model(request, client)
-            if model is None:
-                return None
-        upstream = UpstreamRequest(
-            method=request.method,
-            path=request.uri,
-            headers=request.requestHeaders,
-            content=request.content,
-            inference=kind is RouteKind.INFERENCE,
-        )
+        prepared = self._prepare(request, kind, client, kind is RouteKind.INFERENCE)
+        if prepared is None:
+            return None
+        model, upstream = prepared
         accounting = self._accounting.begin(self.engine, model, kind)
         resolver = self._resolver(model, upstream, client, accounting)
         if kind is not RouteKind.INFERENCE:
@@ -260,22 +252,14 @@ class Facade:
             return None
         if kind is RouteKind.INVENTORY and self._vllm is not None:
             return self._answer_json(request, self._vllm_models())
-        model: str | None = None
-        if kind is RouteKind.INFERENCE:
-            model = self._inference_model(request, client)
-            if model is None:
-                return None
+        prepared = self._prepare(request, kind, client, inference=False)
+        if prepared is None:
+            return None
+        model, upstream = prepared
         endpoint = self._local(model) if self._local is not None else None
         if endpoint is None:
             client.reject(502, f"this node runs no {self.engine.name} engine")
             return None
-        upstream = UpstreamRequest(
-            method=request.method,
-            path=request.uri,
-            headers=request.requestHeaders,
-            content=request.content,
-            inference=False,
-        )
         accounting = self._accounting.begin(self.engine, None, RouteKind.OTHER)
         target = self._target(endpoint, upstream, client, accounting)
         log.debug(
@@ -290,6 +274,28 @@ class Facade:
             observer=accounting,
         )
         return _settle(d, client)
+
+    def _prepare(
+        self, request: Any, kind: RouteKind, client: ClientSide, inference: bool
+    ) -> tuple[str | None, UpstreamRequest] | None:
+        """
+        The model (inference routes) and what to send upstream, or C{None}
+        after answering the client.  The body is taken after the model is
+        read: vLLM may rewrite an alias to the served name.
+        """
+        model: str | None = None
+        if kind is RouteKind.INFERENCE:
+            model = self._inference_model(request, client)
+            if model is None:
+                return None
+        upstream = UpstreamRequest(
+            method=request.method,
+            path=request.uri,
+            headers=request.requestHeaders,
+            content=request.content,
+            inference=inference,
+        )
+        return model, upstream
 
     def _inference_model(self, request: Any, client: ClientSide) -> str | None:
         """

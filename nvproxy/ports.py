@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import TYPE_CHECKING
 
 from attrs import frozen
@@ -24,45 +23,11 @@ from nvproxy.engines import ENGINES
 if TYPE_CHECKING:
     from nvproxy.config import EngineConfig
 
+from nvproxy.files import atomic_write
+
 log = Logger()
 
-
-def atomic_write(path: str, data: bytes) -> None:
-    """
-    Replace C{path} with C{data} atomically: write a temporary file in the
-    same directory (created if missing), flush it to disk, then
-    C{os.replace} it over C{path}.  On failure the old file is untouched and
-    no temporary file is left behind.
-
-    @raise OSError: the write failed.
-    """
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(
-        dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
-    )
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
-    try:
-        directory_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(directory_fd)
+__all__ = ["PortStore", "atomic_write", "effective_port", "valid_port"]
 
 
 def valid_port(port: object) -> bool:
