@@ -310,6 +310,10 @@ class HttpAttempt:
         gate = self._gate
         assert gate is not None
         client = self._client
+        if client.gone:
+            # Committed to a client that has just left: nothing to relay.
+            self._stop_upstream()
+            return
         write = client.request.write
         meter = self._meter
         response = self._response
@@ -324,11 +328,10 @@ class HttpAttempt:
                 feed(data)
 
             write = relay
-        if not client.gone:
-            # Register before the first write: a write that fills the
-            # client's buffer pauses only a producer registered already.
-            client.request.registerProducer(gate.transport, True)
-            self._producer_registered = True
+        # Register before the first write: a write that fills the client's
+        # buffer pauses only a producer registered already.
+        client.request.registerProducer(gate.transport, True)
+        self._producer_registered = True
         write(data)
         if self._state is _State.COMMITTED and not client.gone:
             gate.dataReceived = write  # type: ignore[method-assign]
