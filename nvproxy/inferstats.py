@@ -19,7 +19,11 @@ non-streaming answer) has its report keys read from the window's end directly.
 
 Failing a report, completion tokens are estimated by counting stream events (SSE
 ``data:`` events, or NDJSON records for Ollama) minus ``[DONE]`` and report-only
-events, and flagged ``estimated``.
+events, and flagged ``estimated``. Events that carry no token are discounted too,
+still without parsing every chunk: the finishing chunks (``finish_reason`` set and
+no content, or llama.cpp's ``stop`` event) among the events in the tail window, and
+an opening role-only chunk (``"delta": {"role": "assistant", "content": null}``),
+recognised from the first :data:`HEAD_BYTES` of the body, kept for that.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from twisted.internet.interfaces import IReactorTime
 __all__ = ["Dialect", "Stats", "StatsMeter"]
 
 Dialect = Literal["openai", "ollama", "llamacpp"]
+
+HEAD_BYTES = 2048
+"""How much of the body's start is kept to recognise a role-only first event."""
 
 _SSE_EVENT = b"\ndata:"
 _CARRY = len(_SSE_EVENT) - 1
@@ -110,6 +117,7 @@ class StatsMeter:
         self._dialect = dialect
         self._limit = tail_bytes
         self._tail = bytearray()
+        self._head = bytearray()
         self._total = 0
         self._events = 0
         self._newlines = 0
@@ -143,6 +151,9 @@ class StatsMeter:
         if self._first is None:
             self._first = now
         self._last = now
+        head = self._head
+        if len(head) < HEAD_BYTES:
+            head += chunk[: HEAD_BYTES - len(head)]
         self._total += len(chunk)
         self._newlines += chunk.count(b"\n")
         # A match spanning the boundary starts in the carry and ends in the chunk;
@@ -172,6 +183,7 @@ class StatsMeter:
         self._finished = True
         self._result = self._measure()
         self._tail = bytearray()
+        self._head = bytearray()
         return self._result
 
     def _measure(self) -> Stats | None:
@@ -223,7 +235,10 @@ class StatsMeter:
         sse: bool,
     ) -> int | None:
         if sse:
-            return max(0, self._events - done - report_only)
+            tokenless = sum(1 for record in records if _finishing(record))
+            if _role_only(_first_event(bytes(self._head), self._total)):
+                tokenless += 1
+            return max(0, self._events - done - report_only - tokenless)
         if self._dialect != "ollama" or self._newlines == 0:
             # One unreported JSON document (a non-streaming answer) has no
             # events to count.
@@ -278,6 +293,64 @@ def _records(window: bytes, whole: bool) -> tuple[list[dict[str, Any]], int, int
             if value.get("choices") == [] and value.get("usage") is not None:
                 report_only += 1
     return records, done, report_only
+
+
+def _first_event(head: bytes, total: int) -> object:
+    """
+    The first SSE ``data:`` payload of a body whose first bytes are ``head``,
+    decoded; ``None`` when it is not complete within ``head`` or not JSON.
+    """
+    lines = head.split(b"\n")
+    if len(head) < total:
+        lines = lines[:-1]  # the last line may go on past the head
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith(b"data:"):
+            return _loads(stripped[5:].strip())
+        if stripped and not stripped.startswith((b"event:", b"id:", b"retry:", b":")):
+            return None
+    return None
+
+
+def _carries_token(choice: dict[str, Any]) -> bool:
+    """Whether one streamed choice holds generated output."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return any(value for key, value in delta.items() if key != "role")
+    return False
+
+
+def _tokenless(record: object) -> list[dict[str, Any]] | None:
+    """The choices of an OpenAI stream chunk none of which carries output."""
+    if not isinstance(record, dict):
+        return None
+    choices = record.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return None
+    if not all(isinstance(c, dict) and not _carries_token(c) for c in choices):
+        return None
+    return choices
+
+
+def _role_only(record: object) -> bool:
+    """An opening chunk with no output and no ``finish_reason`` (the role)."""
+    choices = _tokenless(record)
+    return choices is not None and all(c.get("finish_reason") is None for c in choices)
+
+
+def _finishing(record: dict[str, Any]) -> bool:
+    """
+    A closing event with no output: an OpenAI chunk whose ``finish_reason`` is
+    set, or llama.cpp's ``/completion`` ``stop`` event.
+    """
+    if record.get("stop") is True and not record.get("content"):
+        return True
+    choices = _tokenless(record)
+    return choices is not None and any(
+        c.get("finish_reason") is not None for c in choices
+    )
 
 
 def _loads(data: bytes) -> object:

@@ -78,6 +78,17 @@ def _sse(body: bytes) -> list[Any]:
     return events
 
 
+def _named_sse(body: bytes) -> list[tuple[str, Any]]:
+    events = []
+    for block in body.split(b"\n\n"):
+        if block:
+            name, data = block.split(b"\n")
+            events.append(
+                (name.removeprefix(b"event: ").decode(), json.loads(data[6:]))
+            )
+    return events
+
+
 class _Memory(SynchronousTestCase):
     """An engine behind StubTreq on a fake clock."""
 
@@ -354,11 +365,200 @@ class LlamaCppTests(_Memory):
         self.assertTrue(events[-1]["stop"])
         self.assertNotIn("[DONE]", events)
 
-    def test_any_model_accepted(self) -> None:
-        code, body = self.fetch_json(
-            "POST", "/v1/chat/completions", {**CHAT, "model": "whatever"}
+    def test_native_limit(self) -> None:
+        """
+        C{n_predict} (or C{max_tokens}) caps the tokens; an answer cut short
+        says C{stop_type: "limit"}; a negative limit is no limit.
+        """
+        for body, n, stop_type in (
+            ({"n_predict": 3}, 3, "limit"),
+            ({"max_tokens": 2}, 2, "limit"),
+            ({"n_predict": 5}, 5, "limit"),
+            ({"n_predict": 9}, 5, "eos"),
+            ({"n_predict": -1, "max_tokens": 2}, 5, "eos"),
+        ):
+            _, answer = self.fetch_json("POST", "/completion", {"prompt": "a", **body})
+            self.assertEqual(
+                (answer["tokens_predicted"], answer["stop_type"]), (n, stop_type), body
+            )
+            self.assertEqual(answer["timings"]["predicted_n"], n)
+        _, raw = self.fetch(
+            "POST", "/completion", {"prompt": "a", "n_predict": 2, "stream": True}
         )
-        self.assertEqual((code, body["model"]), (200, "whatever"))
+        events = _sse(raw)
+        self.assertEqual([e["content"] for e in events], ["Hello", " from", ""])
+        self.assertEqual(events[-1]["stop_type"], "limit")
+
+    def test_echoes_alias(self) -> None:
+        """
+        Like C{llama-server}, the answer names the served alias whatever
+        model the request asked for.
+        """
+        for path in ("/v1/chat/completions", "/completion", "/v1/messages"):
+            code, body = self.fetch_json(
+                "POST", path, {**CHAT, "model": "whatever", "prompt": "x"}
+            )
+            self.assertEqual((code, body["model"]), (200, self.models[0]), path)
+
+    def test_chat_limit_and_timings(self) -> None:
+        """
+        A plain chat answer: C{max_tokens} caps it (C{"length"}), and
+        C{timings} sit next to C{usage}.
+        """
+        _, body = self.fetch_json("POST", "/v1/chat/completions", CHAT)
+        self.assertEqual(body["choices"][0]["finish_reason"], "stop")
+        self.assertEqual(body["usage"]["completion_tokens"], 5)
+        _, body = self.fetch_json(
+            "POST", "/v1/chat/completions", {**CHAT, "max_tokens": 2}
+        )
+        (choice,) = body["choices"]
+        self.assertEqual(
+            (choice["message"]["content"], choice["finish_reason"]),
+            ("Hello from", "length"),
+        )
+        self.assertEqual(body["usage"]["completion_tokens"], 2)
+        self.assertEqual(body["timings"]["predicted_n"], 2)
+        _, body = self.fetch_json(
+            "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}
+        )
+        self.assertEqual(
+            (body["choices"][0]["text"], body["choices"][0]["finish_reason"]),
+            ("Hello", "length"),
+        )
+        self.assertEqual(body["timings"]["predicted_n"], 1)
+
+    def test_chat_stream(self) -> None:
+        """
+        A role-only first chunk (C{content: null}), one chunk per token, and
+        C{timings} on the finishing chunk when no usage chunk was asked for.
+        """
+        _, raw = self.fetch(
+            "POST", "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 3}
+        )
+        events = _sse(raw)
+        self.assertEqual(events[-1], "[DONE]")
+        first, *middle, last = events[:-1]
+        self.assertEqual(
+            first["choices"][0]["delta"], {"role": "assistant", "content": None}
+        )
+        self.assertEqual(
+            [e["choices"][0]["delta"] for e in middle],
+            [{"content": "Hello"}, {"content": " from"}, {"content": " the"}],
+        )
+        self.assertEqual(
+            last["choices"][0], {"finish_reason": "length", "index": 0, "delta": {}}
+        )
+        self.assertEqual(last["timings"]["predicted_n"], 3)
+        self.assertNotIn("usage", last)
+
+    def test_chat_stream_usage_chunk(self) -> None:
+        """
+        With C{include_usage}, the usage chunk carries C{timings} and the
+        finishing chunk does not.
+        """
+        options = {"stream_options": {"include_usage": True}}
+        _, raw = self.fetch(
+            "POST", "/v1/chat/completions", {**CHAT, "stream": True, **options}
+        )
+        *_, finishing, report, done = _sse(raw)
+        self.assertEqual(finishing["choices"][0]["finish_reason"], "stop")
+        self.assertNotIn("timings", finishing)
+        self.assertEqual(report["choices"], [])
+        self.assertEqual(report["usage"]["completion_tokens"], 5)
+        self.assertEqual(report["timings"]["predicted_n"], 5)
+        self.engine.script(Behaviour(report_usage=False))
+        _, raw = self.fetch(
+            "POST", "/v1/chat/completions", {**CHAT, "stream": True, **options}
+        )
+        events = _sse(raw)
+        self.assertEqual(len(events), 1 + 5 + 1 + 1)
+        self.assertFalse(any("usage" in e or "timings" in e for e in events[:-1]))
+
+    def test_completion_stream(self) -> None:
+        """
+        A C{/v1/completions} stream's finishing chunk always carries usage and
+        timings; it has no role chunk.
+        """
+        _, raw = self.fetch(
+            "POST", "/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 2}
+        )
+        events = _sse(raw)
+        self.assertEqual(
+            [e["choices"][0]["text"] for e in events[:-1]], ["Hello", " from", ""]
+        )
+        last = events[-2]
+        self.assertEqual(last["choices"][0]["finish_reason"], "length")
+        self.assertEqual(last["usage"]["completion_tokens"], 2)
+        self.assertEqual(last["timings"]["predicted_n"], 2)
+
+    def test_responses(self) -> None:
+        request = {"model": "m", "input": "say hi", "max_output_tokens": 2}
+        code, body = self.fetch_json("POST", "/v1/responses", request)
+        self.assertEqual(
+            (code, body["object"], body["status"]), (200, "response", "completed")
+        )
+        (message,) = body["output"]
+        self.assertEqual(
+            (message["role"], message["content"][0]["text"]),
+            ("assistant", "Hello from"),
+        )
+        self.assertEqual(body["usage"]["output_tokens"], 2)
+        self.assertEqual(self.fetch_json("POST", "/responses", request)[0], 200)
+        _, raw = self.fetch("POST", "/v1/responses", {**request, "stream": True})
+        events = _named_sse(raw)
+        names = [name for name, _ in events]
+        self.assertEqual(names[:2], ["response.created", "response.in_progress"])
+        self.assertEqual(names[-1], "response.completed")
+        self.assertTrue(all(data["type"] == name for name, data in events))
+        deltas = [d["delta"] for n, d in events if n == "response.output_text.delta"]
+        self.assertEqual(deltas, ["Hello", " from"])
+        completed = events[-1][1]
+        self.assertEqual(completed["response"]["usage"]["output_tokens"], 2)
+        self.assertEqual(completed["timings"]["predicted_n"], 2)
+
+    def test_messages(self) -> None:
+        request = {**CHAT, "max_tokens": 3}
+        code, body = self.fetch_json("POST", "/v1/messages", request)
+        self.assertEqual(
+            (code, body["type"], body["role"]), (200, "message", "assistant")
+        )
+        self.assertEqual(body["content"], [{"type": "text", "text": "Hello from the"}])
+        self.assertEqual(
+            (body["stop_reason"], body["usage"]["output_tokens"]), ("max_tokens", 3)
+        )
+        _, body = self.fetch_json("POST", "/v1/messages", {**CHAT, "max_tokens": 99})
+        self.assertEqual(body["stop_reason"], "end_turn")
+        _, raw = self.fetch("POST", "/v1/messages", {**request, "stream": True})
+        events = _named_sse(raw)
+        self.assertEqual(
+            [name for name, _ in events],
+            [
+                "message_start",
+                "content_block_start",
+                *["content_block_delta"] * 3,
+                "content_block_stop",
+                "message_delta",
+                "message_stop",
+            ],
+        )
+        self.assertEqual(events[-2][1]["delta"]["stop_reason"], "max_tokens")
+        self.assertEqual(events[-2][1]["usage"]["output_tokens"], 3)
+        code, body = self.fetch_json("POST", "/v1/messages/count_tokens", CHAT)
+        self.assertEqual((code, body), (200, {"input_tokens": 3}))
+
+    def test_bad_json(self) -> None:
+        """An unparsable body is a 500 C{server_error}, as in C{llama-server}."""
+        for path in ("/v1/chat/completions", "/completion", "/v1/messages"):
+            d = self.stub.post("http://engine.invalid" + path, data=b'{"model":')
+            self.stub.flush()
+            response = self.successResultOf(d)
+            collector = _collect(response)
+            self.stub.flush()
+            body = json.loads(b"".join(self.successResultOf(collector.done)))
+            self.assertEqual(response.code, 500, path)
+            self.assertEqual(body["error"]["type"], "server_error")
+            self.assertEqual(body["error"]["code"], 500)
+            self.assertIn("parse error", body["error"]["message"])
 
     def test_other_routes(self) -> None:
         for path in (

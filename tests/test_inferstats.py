@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvproxy.inferstats import Dialect, Stats, StatsMeter
+from nvproxy.inferstats import HEAD_BYTES, Dialect, Stats, StatsMeter
+from nvproxy.testing import _fakedialects as dialects
 
 
 def sse(*events: dict[str, Any] | str) -> bytes:
@@ -44,6 +45,61 @@ OPENAI_SSE_USAGE = sse(
     "[DONE]",
 )
 OPENAI_SSE_NO_USAGE = sse(*TOKENS, "[DONE]")
+ROLE_ONLY = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion.chunk",
+    "choices": [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": None},
+            "finish_reason": None,
+        }
+    ],
+}
+FINISHING = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion.chunk",
+    "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+}
+# llama.cpp's shape: a role-only opening chunk and a finishing chunk, neither of
+# which is a token.
+OPENAI_SSE_FRAMED_NO_USAGE = sse(ROLE_ONLY, *TOKENS, FINISHING, "[DONE]")
+# vLLM opens with an empty content instead of null.
+OPENAI_SSE_EMPTY_ROLE_NO_USAGE = sse(
+    {
+        **ROLE_ONLY,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+    },
+    *TOKENS,
+    {
+        **FINISHING,
+        "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}],
+    },
+    "[DONE]",
+)
+# Ollama's OpenAI route names the role in every chunk, the first with a token.
+OPENAI_SSE_ROLE_EVERYWHERE_NO_USAGE = sse(
+    *[
+        {
+            **t,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", **t["choices"][0]["delta"]}}
+            ],
+        }
+        for t in TOKENS
+    ],
+    {
+        **FINISHING,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": "stop",
+            }
+        ],
+    },
+    "[DONE]",
+)
 OPENAI_JSON = json.dumps(
     {
         "id": "chatcmpl-1",
@@ -79,6 +135,10 @@ LLAMACPP_STREAM = sse(
     *[{"content": f"t{i}", "stop": False} for i in range(25)], LLAMACPP_FINAL
 )
 LLAMACPP_JSON = json.dumps({**LLAMACPP_FINAL, "content": "Hello"}).encode()
+LLAMACPP_STREAM_NO_USAGE = sse(
+    *[{"content": f"t{i}", "stop": False} for i in range(25)],
+    {"content": "", "stop": True, "stop_type": "eos"},
+)
 
 REPORTED = Stats(12, 340, None, 0, False)
 OLLAMA_STATS = Stats(12, 340, 340 / 8.037825, 0, False)
@@ -91,11 +151,31 @@ CASES: dict[str, tuple[Dialect, bytes, Stats]] = {
         OPENAI_SSE_NO_USAGE,
         Stats(None, 20, None, 0, True),
     ),
+    "openai-sse-framed-no-usage": (
+        "llamacpp",
+        OPENAI_SSE_FRAMED_NO_USAGE,
+        Stats(None, 20, None, 0, True),
+    ),
+    "openai-sse-empty-role-no-usage": (
+        "openai",
+        OPENAI_SSE_EMPTY_ROLE_NO_USAGE,
+        Stats(None, 20, None, 0, True),
+    ),
+    "openai-sse-role-everywhere-no-usage": (
+        "ollama",
+        OPENAI_SSE_ROLE_EVERYWHERE_NO_USAGE,
+        Stats(None, 20, None, 0, True),
+    ),
     "openai-json": ("openai", OPENAI_JSON, REPORTED),
     "ollama-stream": ("ollama", OLLAMA_STREAM, OLLAMA_STATS),
     "ollama-json": ("ollama", OLLAMA_JSON, OLLAMA_STATS),
     "llamacpp-stream": ("llamacpp", LLAMACPP_STREAM, LLAMACPP_STATS),
     "llamacpp-json": ("llamacpp", LLAMACPP_JSON, LLAMACPP_STATS),
+    "llamacpp-stream-no-usage": (
+        "llamacpp",
+        LLAMACPP_STREAM_NO_USAGE,
+        Stats(None, 25, None, 0, True),
+    ),
 }
 
 
@@ -169,11 +249,15 @@ class StatsMeterTests(SynchronousTestCase):
         With a window much smaller than the body, the result is still
         independent of the split, and reported counts are still found.
         """
-        dialect, body, _ = CASES[case]
+        dialect, body, expected = CASES[case]
         reference = measure(dialect, [body], tail_bytes=400)
         self.assertEqual(measure(dialect, split(body, cuts), tail_bytes=400), reference)
         assert reference is not None
-        if case != "openai-sse-no-usage":
+        if expected.estimated:
+            # The finishing chunk is within 400 bytes of the end, the role-only
+            # one within the head: the estimate does not need the big window.
+            self.assertEqual(reference, expected)
+        else:
             self.assertEqual(reference.completionTokens, 340)
 
     def test_large_nonstreaming_body(self) -> None:
@@ -228,6 +312,83 @@ class StatsMeterTests(SynchronousTestCase):
             "[DONE]",
         )
         self.assertEqual(measure("llamacpp", [body]), Stats(12, 340, 50.0, 0))
+
+    def test_estimate_discounts_tokenless_events(self) -> None:
+        """
+        An estimate counts neither the finishing chunk nor a role-only opening
+        chunk, but does count a chunk that carries a token besides.
+        """
+        body = sse(ROLE_ONLY, *TOKENS[:3], FINISHING, "[DONE]")
+        self.assertEqual(measure("llamacpp", [body]), Stats(None, 3, None, 0, True))
+        # The last token arrives on the finishing chunk.
+        last = {
+            **FINISHING,
+            "choices": [{"delta": {"content": "x"}, "finish_reason": "stop"}],
+        }
+        body = sse(ROLE_ONLY, *TOKENS[:3], last, "[DONE]")
+        self.assertEqual(measure("openai", [body]), Stats(None, 4, None, 0, True))
+        # The first chunk carries a token besides the role.
+        first = {"choices": [{"delta": {"role": "assistant", "content": "a"}}]}
+        body = sse(first, *TOKENS[:3], FINISHING, "[DONE]")
+        self.assertEqual(measure("openai", [body]), Stats(None, 4, None, 0, True))
+        # A tool call is output too.
+        call = {"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]}
+        body = sse(ROLE_ONLY, call, FINISHING, "[DONE]")
+        self.assertEqual(measure("openai", [body]), Stats(None, 1, None, 0, True))
+        # A /v1/completions stream: an empty text with the finish_reason.
+        text = {"choices": [{"text": "a", "finish_reason": None}]}
+        end = {"choices": [{"text": "", "finish_reason": "length"}]}
+        body = sse(text, text, end, "[DONE]")
+        self.assertEqual(measure("openai", [body]), Stats(None, 2, None, 0, True))
+        # Only the role-only chunk and the end: no token at all.
+        body = sse(ROLE_ONLY, FINISHING, "[DONE]")
+        self.assertEqual(measure("openai", [body]), Stats(None, 0, None, 0, True))
+
+    def test_role_only_beyond_head_counted(self) -> None:
+        """
+        A first event that does not end within the head is not recognised (a
+        bounded look), so it counts as a token.
+        """
+        padded = {**ROLE_ONLY, "pad": "x" * HEAD_BYTES}
+        body = sse(padded, *TOKENS[:3], FINISHING, "[DONE]")
+        self.assertEqual(measure("openai", [body]), Stats(None, 4, None, 0, True))
+        # An SSE comment or event name before the first data line is skipped.
+        body = b": hi\nevent: x\n" + sse(ROLE_ONLY, *TOKENS[:3], FINISHING, "[DONE]")
+        self.assertEqual(measure("openai", [body]), Stats(None, 3, None, 0, True))
+
+    def test_fake_engine_streams_estimated_exactly(self) -> None:
+        """
+        Every fake dialect's OpenAI streams without usage are estimated at
+        exactly their token count.
+        """
+        for dialect, path, model in (
+            ("ollama", "/v1/chat/completions", "m:latest"),
+            ("ollama", "/v1/completions", "m:latest"),
+            ("openai", "/v1/chat/completions", "m"),
+            ("openai", "/v1/completions", "m"),
+            ("llamacpp", "/v1/chat/completions", "m"),
+            ("llamacpp", "/v1/completions", "m"),
+            ("llamacpp", "/completion", "m"),
+        ):
+            for n in (0, 1, 7):
+                call = dialects.Call(
+                    method="POST",
+                    path=path,
+                    body={"model": model, "prompt": "hi", "stream": True},
+                    form={},
+                    models=[model],
+                    now=0.0,
+                    seq=1,
+                    tokens=n,
+                    usage=False,
+                    force_usage=False,
+                )
+                reply = dialects.ROUTES[dialect][path].handler(call)
+                self.assertTrue(reply.streaming)
+                stats = measure(dialect, list(reply.parts))  # type: ignore[arg-type]
+                self.assertEqual(
+                    stats, Stats(None, n, None, 0, True), (dialect, path, n)
+                )
 
     def test_nothing_measured(self) -> None:
         meter = StatsMeter(Clock(), "openai")

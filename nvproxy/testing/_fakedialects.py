@@ -33,7 +33,8 @@ class Call:
     One parsed request as a handler sees it.
 
     @ivar models: the engine's live model list (C{/api/pull} appends to it).
-    @ivar tokens: how many tokens to generate (L{Behaviour.chunks}).
+    @ivar tokens: how many tokens to generate (L{Behaviour.chunks}); the
+        llama.cpp dialect caps it at the request's token limit.
     @ivar usage: whether usage / eval counts are reported.
     @ivar force_usage: send the OpenAI usage chunk even if not asked for.
     """
@@ -180,6 +181,23 @@ def error_reply(
             "error": {"message": message, "type": kind, "param": None, "code": code}
         }
     return _json(body, status)
+
+
+def bad_json(family: str, error: ValueError) -> Reply:
+    """
+    A request body that is not JSON: a 400, but C{llama-server}'s parser
+    throws and the server answers a 500 C{server_error}.
+    """
+    if family != "llamacpp":
+        return error_reply(family, 400, f"invalid JSON body: {error}")
+    if isinstance(error, json.JSONDecodeError):
+        where = f"line {error.lineno}, column {error.colno}"
+        detail = f"{where}: syntax error while parsing value - {error.msg}"
+    else:
+        detail = f"line 1, column 1: {error}"
+    return error_reply(
+        family, 500, f"[json.exception.parse_error.101] parse error at {detail}"
+    )
 
 
 def unknown_route(dialect: str, method: str, path: str) -> Reply:
@@ -526,12 +544,55 @@ def _lmstudio_models(call: Call) -> Reply:
 
 
 def _llama_name(call: Call) -> str:
+    """
+    The model an answer names: C{llama-server} echoes its own alias whatever
+    the request asked for (a fake serving several models echoes the one asked
+    for when it has it).
+    """
     name = model_of(call.body, call.form)
-    return name or (call.models[0] if call.models else "model.gguf")
+    if name is not None and name in call.models:
+        return name
+    return call.models[0] if call.models else "model.gguf"
+
+
+@frozen
+class Gen:
+    """The generated pieces, and whether the token limit cut them short."""
+
+    pieces: list[str]
+    limited: bool
+
+    @property
+    def n(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+_LLAMA_LIMIT_KEYS = ("n_predict", "max_tokens", "max_completion_tokens")
+
+
+def _llama_generated(call: Call, keys: Sequence[str] = _LLAMA_LIMIT_KEYS) -> Gen:
+    """
+    How much the model writes: L{Call.tokens} (the model stops by itself
+    after that many), capped by the request's token limit -- the first of
+    C{keys} present; a negative one means no limit, as in C{llama-server}.
+    """
+    for key in keys:
+        if key in call.body:
+            value = call.body[key]
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                if value <= call.tokens:
+                    return Gen(tokens(value), True)
+            break
+    return Gen(tokens(call.tokens), False)
 
 
 def _llama_timings(prompt_n: int, eval_n: int) -> dict[str, float]:
     return {
+        "cache_n": 0,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_n * 1.0,
         "prompt_per_token_ms": 1.0,
@@ -545,7 +606,7 @@ def _llama_timings(prompt_n: int, eval_n: int) -> dict[str, float]:
 
 def _llama_native(call: Call) -> Reply:
     name = _llama_name(call)
-    toks = tokens(call.tokens)
+    gen = _llama_generated(call)
     prompt_n = _count(_prompt_text(call.body))
 
     def event(text: str, done: bool, predicted: int) -> dict[str, object]:
@@ -560,7 +621,7 @@ def _llama_native(call: Call) -> Reply:
             obj.update(
                 {
                     "model": name,
-                    "stop_type": "eos",
+                    "stop_type": "limit" if gen.limited else "eos",
                     "stopping_word": "",
                     "truncated": False,
                     "tokens_cached": prompt_n + predicted,
@@ -574,16 +635,239 @@ def _llama_native(call: Call) -> Reply:
         return obj
 
     if not call.body.get("stream", False):
-        return _json(event("".join(toks), True, len(toks)))
-    events = [event(t, False, i + 1) for i, t in enumerate(toks)]
-    return _sse([*events, event("", True, len(toks))], done=False)
+        return _json(event(gen.text, True, gen.n))
+    events = [event(t, False, i + 1) for i, t in enumerate(gen.pieces)]
+    return _sse([*events, event("", True, gen.n)], done=False)
+
+
+_LLAMA_FINGERPRINT = "b0000-fake"
+
+
+def _llama_usage(prompt_n: int, completion_n: int) -> dict[str, object]:
+    return {
+        **_usage(prompt_n, completion_n),
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _llama_generate(call: Call, name: str, chat: bool) -> Reply:
+    """
+    C{/v1/chat/completions} and C{/v1/completions} as C{llama-server} answers
+    them: C{timings} next to C{usage} in a plain answer; a chat stream opens
+    with a role-only chunk (C{content: null}) and puts the C{timings} on its
+    finishing chunk, or on the usage chunk when C{stream_options} asks for
+    one; a completion stream's finishing chunk always carries both.
+    """
+    gen = _llama_generated(call)
+    prompt_n = _count(_prompt_text(call.body))
+    finish = "length" if gen.limited else "stop"
+    kind = "chat.completion" if chat else "text_completion"
+    head: dict[str, object] = {
+        "created": int(call.now),
+        "model": name,
+        "system_fingerprint": _LLAMA_FINGERPRINT,
+    }
+    ident = {"id": f"chatcmpl-fake{call.seq}"}
+    report: dict[str, object] = {}
+    if call.usage:
+        report = {
+            "usage": _llama_usage(prompt_n, gen.n),
+            "timings": _llama_timings(prompt_n, gen.n),
+        }
+
+    def choice(text: str | None, reason: str | None) -> dict[str, object]:
+        if chat:
+            return {"finish_reason": reason, "index": 0}
+        return {
+            "text": text or "",
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+
+    if not call.body.get("stream", False):
+        piece = choice(gen.text, finish)
+        if chat:
+            piece["message"] = {"role": "assistant", "content": gen.text}
+        return _json({"choices": [piece], **head, "object": kind, **ident, **report})
+
+    def chunk(
+        text: str | None, reason: str | None, **delta: object
+    ) -> dict[str, object]:
+        piece = choice(text, reason)
+        if chat:
+            piece["delta"] = delta
+        obj: dict[str, object] = {"choices": [piece], **head}
+        if chat:
+            return {**obj, **ident, "object": kind + ".chunk"}
+        return {**obj, "object": kind, **ident}
+
+    if not chat:
+        events: list[object] = [chunk(t, None) for t in gen.pieces]
+        events.append({**chunk("", finish), **report})
+        return _sse(events, done=True)
+    events = [chunk(None, None, role="assistant", content=None)]
+    events.extend(chunk(None, None, content=t) for t in gen.pieces)
+    options = call.body.get("stream_options")
+    asked = isinstance(options, Mapping) and bool(options.get("include_usage"))
+    last = chunk(None, finish)
+    if call.usage and (asked or call.force_usage):
+        events.append(last)
+        usage_chunk = {"choices": [], **head, **ident, "object": kind + ".chunk"}
+        events.append({**usage_chunk, **report})
+    else:
+        timings = {"timings": report["timings"]} if report else {}
+        events.append({**last, **timings})
+    return _sse(events, done=True)
 
 
 def _llama_oai(call: Call) -> Reply:
     name = _llama_name(call)
     if call.path == "/v1/embeddings":
         return _oai_embeddings(call, name)
-    return _oai_generate(call, name, call.path.endswith("/chat/completions"), {})
+    return _llama_generate(call, name, call.path.endswith("/chat/completions"))
+
+
+def _sse_named(events: Sequence[tuple[str, Json]]) -> Reply:
+    """Named SSE events; each payload also states its name as C{type}."""
+    parts = tuple(
+        b"event: %s\ndata: %s\n\n"
+        % (name.encode("ascii"), dumps({"type": name, **obj}))
+        for name, obj in events
+    )
+    return Reply(200, "text/event-stream", parts, streaming=True)
+
+
+def _llama_responses(call: Call) -> Reply:
+    """OpenAI's Responses API as C{llama-server} serves it (text only)."""
+    name = _llama_name(call)
+    gen = _llama_generated(call, ("max_output_tokens", "max_tokens"))
+    prompt_n = _count(_prompt_text(call.body))
+    created = int(call.now)
+    ident, item = f"resp_fake{call.seq}", f"msg_fake{call.seq}"
+    text_part = {
+        "type": "output_text",
+        "annotations": [],
+        "logprobs": [],
+        "text": gen.text,
+    }
+    message = {
+        "content": [text_part],
+        "id": item,
+        "role": "assistant",
+        "status": "completed",
+        "type": "message",
+    }
+    usage: dict[str, object] = {}
+    if call.usage:
+        usage = {
+            "usage": {
+                "input_tokens": prompt_n,
+                "output_tokens": gen.n,
+                "total_tokens": prompt_n + gen.n,
+                "input_tokens_details": {"cached_tokens": 0},
+            }
+        }
+    if not call.body.get("stream", False):
+        return _json(
+            {
+                "completed_at": created,
+                "created_at": created,
+                "id": ident,
+                "model": name,
+                "object": "response",
+                "output": [message],
+                "status": "completed",
+                **usage,
+            }
+        )
+    started = {"id": ident, "object": "response", "status": "in_progress"}
+    events: list[tuple[str, Json]] = [
+        ("response.created", {"response": started}),
+        ("response.in_progress", {"response": started}),
+        (
+            "response.output_item.added",
+            {"item": {**message, "content": [], "status": "in_progress"}},
+        ),
+        (
+            "response.content_part.added",
+            {"item_id": item, "part": {"type": "output_text", "text": ""}},
+        ),
+        *(
+            ("response.output_text.delta", {"item_id": item, "delta": t})
+            for t in gen.pieces
+        ),
+        ("response.output_text.done", {"item_id": item, "text": gen.text}),
+        ("response.content_part.done", {"item_id": item, "part": text_part}),
+        ("response.output_item.done", {"item": message}),
+    ]
+    completed: dict[str, object] = {
+        "response": {
+            **started,
+            "created_at": created,
+            "status": "completed",
+            "model": name,
+            "output": [message],
+            **usage,
+        }
+    }
+    if call.usage:
+        completed["timings"] = _llama_timings(prompt_n, gen.n)
+    events.append(("response.completed", completed))
+    return _sse_named(events)
+
+
+def _llama_messages(call: Call) -> Reply:
+    """Anthropic's Messages API as C{llama-server} serves it (text only)."""
+    name = _llama_name(call)
+    gen = _llama_generated(call, ("max_tokens",))
+    prompt_n = _count(_prompt_text(call.body))
+    stop = "max_tokens" if gen.limited else "end_turn"
+    ident = f"chatcmpl-fake{call.seq}"
+
+    def usage(output: int) -> dict[str, object]:
+        if not call.usage:
+            return {}
+        counts = {"cache_read_input_tokens": 0, "input_tokens": prompt_n}
+        return {"usage": {**counts, "output_tokens": output}}
+
+    message: dict[str, object] = {
+        "id": ident,
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "text", "text": gen.text}],
+        "model": name,
+        "stop_reason": stop,
+        "stop_sequence": None,
+    }
+    if not call.body.get("stream", False):
+        return _json({**message, **usage(gen.n)})
+    start = {**message, "content": [], "stop_reason": None, **usage(0)}
+    final: dict[str, object] = {"delta": {"stop_reason": stop, "stop_sequence": None}}
+    if call.usage:
+        final["usage"] = {"output_tokens": gen.n}
+    events: list[tuple[str, Json]] = [
+        ("message_start", {"message": start}),
+        (
+            "content_block_start",
+            {"index": 0, "content_block": {"type": "text", "text": ""}},
+        ),
+        *(
+            (
+                "content_block_delta",
+                {"index": 0, "delta": {"type": "text_delta", "text": t}},
+            )
+            for t in gen.pieces
+        ),
+        ("content_block_stop", {"index": 0}),
+        ("message_delta", final),
+        ("message_stop", {}),
+    ]
+    return _sse_named(events)
+
+
+def _llama_count_tokens(call: Call) -> Reply:
+    return _json({"input_tokens": _count(_prompt_text(call.body))})
 
 
 def _llama_embedding(call: Call) -> Reply:
@@ -774,6 +1058,9 @@ ROUTES: Mapping[str, Mapping[str, Route]] = {
                 _llama_oai,
                 True,
             ),
+            ("POST", "/v1/responses /responses", _llama_responses, True),
+            ("POST", "/v1/messages", _llama_messages, True),
+            ("POST", "/v1/messages/count_tokens", _llama_count_tokens, False),
             ("POST", "/embedding /embeddings", _llama_embedding, True),
             (
                 "POST",

@@ -84,7 +84,11 @@ class Behaviour:
     @ivar status: a non-2xx status answers with the dialect's error body.
     @ivar latency: seconds before the status line (or before C{refuse}).
     @ivar chunks: tokens generated; a streaming answer writes one body part
-        per token plus the dialect's closing events.
+        per token plus the dialect's opening and closing events.  The
+        llama.cpp dialect treats it as where the model stops by itself and
+        caps it at the request's token limit (C{n_predict}, C{max_tokens},
+        ...); an answer cut short by that limit says so (C{finish_reason:
+        "length"}, C{stop_type: "limit"}), as C{llama-server} does.
     @ivar chunk_interval: seconds between consecutive body parts.
     @ivar first_chunk_delay: seconds between the headers and the first part.
     @ivar report_usage: C{False} leaves out usage / eval counts / timings.
@@ -465,11 +469,12 @@ class FakeEngine:
         form = _form(request)
         body: Mapping[str, Any] = {}
         problem: str | None = None
+        unparsable: ValueError | None = None
         if raw and not form and method in ("POST", "PUT", "PATCH"):
             try:
                 parsed = json.loads(raw)
             except ValueError as e:
-                problem = f"invalid JSON body: {e}"
+                unparsable = e
             else:
                 if isinstance(parsed, Mapping):
                     body = parsed
@@ -485,6 +490,8 @@ class FakeEngine:
             reply = dialects.unknown_route(self.dialect, method, path)
         elif method not in route.methods:
             reply = dialects.error_reply(route.family, 405, "method not allowed")
+        elif unparsable is not None:
+            reply = dialects.bad_json(route.family, unparsable)
         elif problem is not None:
             reply = dialects.error_reply(route.family, 400, problem)
         else:

@@ -8,8 +8,7 @@ The llama.cpp facade end to end, as one contract run against two backends:
   see C{tox -e real} and L{tests.integration.llamacpp}).
 
 Running the same assertions against both keeps the fake from drifting away
-from the engine it stands for.  Where the two knowingly differ, each backend
-states its value in a class attribute of L{LlamaCppContract}.
+from the engine it stands for: every assertion holds for both.
 """
 
 from __future__ import annotations
@@ -55,19 +54,12 @@ class LlamaCppContract(_Base):
     """
     What a client of the llama.cpp facade relies on, whatever the backend.
 
-    A subclass provides L{start_backend} and L{generates}, and states how it
-    reports an answer cut short by the token limit.
-
-    @ivar limit_finish_reason: OpenAI C{finish_reason} of an answer that ran
-        to C{max_tokens} (the real server says C{"length"}).
-    @ivar limit_stop_type: native C{/completion} C{stop_type} of an answer
-        that ran to C{n_predict} (the real server says C{"limit"}).
+    A subclass provides L{start_backend} and L{generates}.  Every answer
+    here runs to the request's token limit, so it reports being cut short
+    (C{finish_reason: "length"}, C{stop_type: "limit"}).
     """
 
     timeout = 60
-
-    limit_finish_reason: str
-    limit_stop_type: str
 
     client: Client
     backend: str
@@ -154,7 +146,7 @@ class LlamaCppContract(_Base):
         self.assertIsInstance(content, str)
         self.assertTrue(content.strip())
         self.assertTrue(content.isprintable(), repr(content))
-        self.assertEqual(choice["finish_reason"], self.limit_finish_reason)
+        self.assertEqual(choice["finish_reason"], "length")
         usage = answer["usage"]
         self.assertEqual(usage["completion_tokens"], MAX_TOKENS)
         self.assertGreater(usage["prompt_tokens"], 0)
@@ -191,7 +183,7 @@ class LlamaCppContract(_Base):
             for c in chunks
             if c["choices"] and c["choices"][0]["finish_reason"]
         ]
-        self.assertEqual(finishes, [self.limit_finish_reason])
+        self.assertEqual(finishes, ["length"])
         usages = [c["usage"] for c in chunks if c.get("usage")]
         self.assertEqual(usages[-1]["completion_tokens"], MAX_TOKENS)
         self.assertGreater(usages[-1]["prompt_tokens"], 0)
@@ -218,7 +210,7 @@ class LlamaCppContract(_Base):
         last = events[-1]
         self.assertTrue(last["stop"])
         self.assertEqual([e for e in events if e["stop"]], [last])
-        self.assertEqual(last["stop_type"], self.limit_stop_type)
+        self.assertEqual(last["stop_type"], "limit")
         self.assertEqual(last["tokens_predicted"], MAX_TOKENS)
         self.assertGreater(last["tokens_evaluated"], 0)
         self.assertEqual(last["timings"]["predicted_n"], MAX_TOKENS)
@@ -408,10 +400,6 @@ class LlamaCppContract(_Base):
 class FakeLlamaCppTests(LlamaCppContract, TestCase):
     """The contract against L{FakeEngine}'s llama.cpp dialect."""
 
-    # The fake ends every answer as if the model had stopped by itself.
-    limit_finish_reason = "stop"
-    limit_stop_type = "eos"
-
     fake: FakeEngine
 
     async def start_backend(self) -> str:
@@ -421,33 +409,10 @@ class FakeLlamaCppTests(LlamaCppContract, TestCase):
         return self.fake.url
 
     def generates(self, tokens: int) -> None:
-        # The fake ignores max_tokens / n_predict: it makes Behaviour.chunks.
+        # The fake's model stops by itself after Behaviour.chunks tokens; the
+        # request's max_tokens / n_predict caps it, so at exactly the limit
+        # the answer is cut short ("length"), as with the real tiny model.
         self.fake.default = Behaviour(chunks=tokens)
-
-    # Known drift from the real llama-server: trial reports these as expected
-    # failures, and as unexpected successes once the fake catches up.
-
-    async def test_workload_stats_stream_without_usage(self) -> None:
-        await super().test_workload_stats_stream_without_usage()
-
-    test_workload_stats_stream_without_usage.todo = (  # type: ignore[attr-defined]
-        "the fake's OpenAI stream has no timings on its finishing chunk, so "
-        "without stream_options nvproxy can only estimate the tokens"
-    )
-
-    async def test_responses_api(self) -> None:
-        await super().test_responses_api()
-
-    test_responses_api.todo = (  # type: ignore[attr-defined]
-        "the fake's llama.cpp dialect has no /v1/responses (404)"
-    )
-
-    async def test_anthropic_messages(self) -> None:
-        await super().test_anthropic_messages()
-
-    test_anthropic_messages.todo = (  # type: ignore[attr-defined]
-        "the fake's llama.cpp dialect has no /v1/messages (404)"
-    )
 
 
 def _real_skip() -> str | None:
@@ -471,9 +436,6 @@ class RealLlamaServerTests(LlamaCppContract, TestCase):
     """The contract against a real C{llama-server} and a tiny GGUF model."""
 
     skip = _real_skip()
-
-    limit_finish_reason = "length"
-    limit_stop_type = "limit"
 
     server: llamacpp.LlamaServer
 
