@@ -274,8 +274,8 @@ class HttpAttempt:
         status = response.code
         if not self._final and is_retryable_status(status, self._inference):
             self._claim(_State.FAILED)
-            _discard(response)
             self._fail(FailureKind.STATUS, status)
+            _discard(response)
             return
         self._claim(_State.GATED)
         self._response = response

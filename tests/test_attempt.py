@@ -1,0 +1,344 @@
+"""
+Unit tests for L{nvproxy.attempt.HttpAttempt}: the header and first-body
+timeouts, the commit gate and the commit-versus-cancel claim (spec §5.2,
+§5.3), with a fake agent, real C{Response} objects and a C{Clock}.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from attrs import define, field
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock, Cooperator
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web._newclient import Response, TransportProxyProducer
+from twisted.web.client import ResponseDone, ResponseFailed
+from twisted.web.http_headers import Headers
+
+from nvproxy.attempt import ClientSide, HttpAttempt, UpstreamRequest
+from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
+
+TIMEOUT = 30.0
+
+
+@define
+class FakeAgent:
+    """
+    Records requests; each answers through the Deferred it returned.
+    """
+
+    requests: list[tuple[bytes, bytes, Headers]] = field(factory=list)
+    pending: list[Deferred[Any]] = field(factory=list)
+    cancelled: int = 0
+
+    def request(
+        self, method: bytes, uri: bytes, headers: Headers, body: Any = None
+    ) -> Deferred[Any]:
+        self.requests.append((method, uri, headers))
+
+        def cancel(d: Deferred[Any]) -> None:
+            self.cancelled += 1
+
+        d: Deferred[Any] = Deferred(cancel)
+        self.pending.append(d)
+        return d
+
+
+class FakeClientRequest:
+    """
+    The parts of a twisted.web request the client side uses.
+    """
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.responseHeaders = Headers()
+        self.written: list[bytes] = []
+        self.finished = False
+        self.lost = False
+        self.producer: Any = None
+        self._finish_waiters: list[Deferred[None]] = []
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        self.code = code
+
+    def write(self, data: bytes) -> None:
+        assert not self.finished
+        self.written.append(data)
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def loseConnection(self) -> None:
+        self.lost = True
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        assert self.producer is None
+        self.producer = producer
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+
+    def notifyFinish(self) -> Deferred[None]:
+        d: Deferred[None] = Deferred()
+        self._finish_waiters.append(d)
+        return d
+
+    def disconnect(self) -> None:
+        for d in self._finish_waiters:
+            d.errback(Failure(ConnectionError("client gone")))
+
+
+class UpstreamTransport(StringTransport):
+    """
+    Like a TCP transport, resuming a stopped (closing) connection is a
+    no-op rather than an error.
+    """
+
+    def resumeProducing(self) -> None:
+        if self.producerState != "stopped":
+            super().resumeProducing()
+
+
+def response(code: int, headers: dict[bytes, list[bytes]] | None = None) -> Response:
+    transport = UpstreamTransport()
+    return Response(
+        (b"HTTP", 1, 1),
+        code,
+        b"Phrase",
+        Headers(headers or {}),
+        TransportProxyProducer(transport),
+    )
+
+
+class AttemptTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.agent = FakeAgent()
+        self.client_request = FakeClientRequest()
+        self.client = ClientSide(self.client_request, lambda s, m, c: b"error")
+        self.upstream = UpstreamRequest(
+            method=b"POST",
+            path=b"/v1/chat/completions?x=1",
+            headers=Headers(
+                {
+                    b"host": [b"facade"],
+                    b"connection": [b"keep-alive, x-drop"],
+                    b"x-drop": [b"1"],
+                    b"authorization": [b"Bearer t"],
+                }
+            ),
+            content=io.BytesIO(b'{"model": "m"}'),
+            inference=True,
+        )
+
+    def start(self, final: bool = False, timeout: float = TIMEOUT) -> HttpAttempt:
+        return HttpAttempt(
+            agent=self.agent,
+            clock=self.clock,
+            node_id="n1",
+            url=b"http://engine/v1/chat/completions?x=1",
+            request=self.upstream,
+            client=self.client,
+            final=final,
+            response_timeout=timeout,
+            cooperator=Cooperator(scheduler=lambda f: self.clock.callLater(0, f)),
+        )
+
+    def test_request_headers(self) -> None:
+        self.start()
+        method, uri, headers = self.agent.requests[0]
+        self.assertEqual(
+            (method, uri), (b"POST", b"http://engine/v1/chat/completions?x=1")
+        )
+        names = {name.lower() for name, _ in headers.getAllRawHeaders()}
+        self.assertEqual(names, {b"authorization"})
+
+    def test_commit_at_first_body_byte(self) -> None:
+        """
+        Headers alone do not commit; the first body byte does, and it is
+        relayed intact, then every later chunk.
+        """
+        attempt = self.start()
+        r = response(200, {b"content-type": [b"text/event-stream"]})
+        self.agent.pending[0].callback(r)
+        self.assertNoResult(attempt.result)
+        self.assertEqual(self.client_request.code, None)
+        r._bodyDataReceived(b"d")
+        committed = self.successResultOf(attempt.result)
+        self.assertIsInstance(committed, Committed)
+        assert isinstance(committed, Committed)
+        self.assertEqual((committed.node_id, committed.status), ("n1", 200))
+        self.assertEqual(self.client_request.code, 200)
+        self.assertEqual(
+            self.client_request.responseHeaders.getRawHeaders(b"content-type"),
+            [b"text/event-stream"],
+        )
+        r._bodyDataReceived(b"ata: x\n\n")
+        self.assertEqual(b"".join(self.client_request.written), b"data: x\n\n")
+        self.assertIsNotNone(self.client_request.producer)
+        r._bodyDataFinished(Failure(ResponseDone()))
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.COMPLETE)
+        self.assertTrue(self.client_request.finished)
+        self.assertIsNone(self.client_request.producer)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_eof_commits(self) -> None:
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        r._bodyDataFinished(Failure(ResponseDone()))
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.COMPLETE)
+        self.assertTrue(self.client_request.finished)
+
+    def test_header_timeout(self) -> None:
+        attempt = self.start()
+        self.clock.advance(TIMEOUT - 0.001)
+        self.assertNoResult(attempt.result)
+        self.clock.advance(0.001)
+        self.assertEqual(
+            self.successResultOf(attempt.result),
+            AttemptFailed("n1", FailureKind.TRANSPORT),
+        )
+        self.assertEqual(self.agent.cancelled, 1)
+
+    def test_first_body_timeout_starts_at_headers(self) -> None:
+        """
+        The first-body timeout counts from the arrival of headers, and it
+        never commits (§5.2).
+        """
+        attempt = self.start()
+        self.clock.advance(TIMEOUT - 1)
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        self.clock.advance(TIMEOUT - 1)
+        self.assertNoResult(attempt.result)
+        self.clock.advance(1)
+        self.assertEqual(
+            self.successResultOf(attempt.result),
+            AttemptFailed("n1", FailureKind.NO_CONTENT, 200),
+        )
+        self.assertIsNone(self.client_request.code)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_zero_disables_timeouts(self) -> None:
+        attempt = self.start(timeout=0)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.agent.pending[0].callback(response(200))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertNoResult(attempt.result)
+
+    def test_retryable_status_not_relayed(self) -> None:
+        """
+        A retryable status before the final attempt is reported, not
+        relayed, and its connection is closed rather than drained.
+        """
+        attempt = self.start()
+        r = response(503)
+        self.agent.pending[0].callback(r)
+        self.assertEqual(r._transport._producer.producerState, "stopped")
+        self.assertEqual(
+            self.successResultOf(attempt.result),
+            AttemptFailed("n1", FailureKind.STATUS, 503),
+        )
+        self.assertIsNone(self.client_request.code)
+
+    def test_final_attempt_commits_any_status(self) -> None:
+        attempt = self.start(final=True)
+        r = response(503, {b"retry-after": [b"7"]})
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b'{"error": "busy"}')
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        self.assertEqual(committed.status, 503)
+        self.assertEqual(self.client_request.code, 503)
+        self.assertEqual(
+            self.client_request.responseHeaders.getRawHeaders(b"retry-after"), [b"7"]
+        )
+
+    def test_cancel_before_commit(self) -> None:
+        """
+        The target left discovery before any body byte: the attempt is
+        abandoned as TARGET_LOST and a late byte changes nothing.
+        """
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        attempt.cancel()
+        self.assertEqual(
+            self.successResultOf(attempt.result),
+            AttemptFailed("n1", FailureKind.TARGET_LOST),
+        )
+        r._bodyDataReceived(b"late")
+        self.assertEqual(self.client_request.written, [])
+
+    def test_commit_wins_over_cancel(self) -> None:
+        """
+        A delivered first byte wins the claim: a cancel after it is a no-op
+        and the stream goes on (§5.3).
+        """
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"first")
+        attempt.cancel()
+        r._bodyDataReceived(b" second")
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        self.assertEqual(b"".join(self.client_request.written), b"first second")
+
+    def test_truncated_stream_aborts_client(self) -> None:
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"part")
+        r._bodyDataFinished(Failure(ResponseFailed([Failure(ConnectionError())])))
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.TRUNCATED)
+        self.assertTrue(self.client_request.lost)
+        self.assertFalse(self.client_request.finished)
+
+    def test_client_gone_during_stream(self) -> None:
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"part")
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        self.client_request.disconnect()
+        attempt.abort()
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.CLIENT_GONE)
+
+    def test_abort_before_headers(self) -> None:
+        attempt = self.start()
+        attempt.abort()
+        self.assertEqual(self.agent.cancelled, 1)
+        self.assertEqual(
+            self.successResultOf(attempt.result),
+            AttemptFailed("n1", FailureKind.TRANSPORT),
+        )
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_failures_reported(self) -> None:
+        kinds: list[str] = []
+        attempt = HttpAttempt(
+            agent=self.agent,
+            clock=self.clock,
+            node_id="n1",
+            url=b"http://engine/",
+            request=self.upstream,
+            client=self.client,
+            final=False,
+            response_timeout=TIMEOUT,
+            cooperator=None,
+            on_failure=kinds.append,
+        )
+        self.agent.pending[0].callback(response(429))
+        self.successResultOf(attempt.result)
+        self.assertEqual(kinds, ["status"])
