@@ -109,7 +109,9 @@ class Discovery:
 
     def __init__(self) -> None:
         self.current = Snapshot()
-        self._subscribers: list[Callable[[Snapshot], None]] = []
+        # Insertion-ordered; every in-flight job holds one, so removal must
+        # not scan the others.
+        self._subscribers: dict[object, Callable[[Snapshot], None]] = {}
 
     def publish(self, engines: Mapping[str, Mapping[str, NodeEntry]]) -> None:
         """
@@ -118,18 +120,18 @@ class Discovery:
         if engines == self.current.engines:
             return
         self.current = Snapshot(self.current.generation + 1, engines)
-        for subscriber in list(self._subscribers):
+        for subscriber in list(self._subscribers.values()):
             try:
                 subscriber(self.current)
             except Exception:
                 log.failure("discovery subscriber failed")
 
     def subscribe(self, subscriber: Callable[[Snapshot], None]) -> Unsubscribe:
-        self._subscribers.append(subscriber)
+        token = object()
+        self._subscribers[token] = subscriber
 
         def unsubscribe() -> None:
-            if subscriber in self._subscribers:
-                self._subscribers.remove(subscriber)
+            self._subscribers.pop(token, None)
 
         return unsubscribe
 
