@@ -276,7 +276,10 @@ class SleepWakeTests(_Harness):
         self.assertEqual((fake.state, fake.sleep_level), (EngineState.ASLEEP, 1))
         self.assertTrue(self.is_sleeping())
         self.assertEqual(self.call("GET", "/health"), (200, b""))
-        self.assertEqual(self.call("POST", "/wake_up"), (200, b""))
+        # vLLM 0.32 answers with the state after the wake.
+        self.assertEqual(
+            self.call("POST", "/wake_up"), (200, {"status": "awake", "tags": None})
+        )
         self.assertFalse(self.is_sleeping())
         self.assertEqual((fake.state, fake.sleep_level), (EngineState.AWAKE, None))
         self.assertEqual(fake.wake_sequences, 1)
@@ -292,7 +295,9 @@ class SleepWakeTests(_Harness):
 
     def test_wake_on_awake_is_noop(self) -> None:
         fake = self.make()
-        self.assertEqual(self.call("POST", "/wake_up"), (200, b""))
+        self.assertEqual(
+            self.call("POST", "/wake_up"), (200, {"status": "awake", "tags": None})
+        )
         self.assertEqual((fake.wake_sequences, fake.wake_calls), (0, 1))
 
     def test_full_wake_sequence(self) -> None:
@@ -392,7 +397,10 @@ class ScriptingTests(_Harness):
     def test_wake_answers_early(self) -> None:
         fake = self.make(wake_latency=5, wake_answers_early=True)
         fake.force_sleep(1)
-        self.assertEqual(self.call("POST", "/wake_up"), (200, b""))
+        self.assertEqual(
+            self.call("POST", "/wake_up"),
+            (200, {"status": "sleeping", "tags": ["kv_cache", "weights"]}),
+        )
         self.assertTrue(self.is_sleeping())
         self.advance(5)
         self.assertFalse(self.is_sleeping())

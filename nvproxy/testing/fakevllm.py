@@ -647,18 +647,27 @@ class FakeVLLM:
         for d in drained:
             d.callback(None)
 
+    def _wake_body(self) -> bytes:
+        # vLLM 0.32 answers /wake_up with the state after the call:
+        # {"status": "awake", "tags": null} or, after a partial wake,
+        # {"status": "sleeping", "tags": [the tags still asleep]}.
+        if self._state is EngineState.AWAKE or not self._sleeping_tags:
+            return b'{"status":"awake","tags":null}'
+        tags = json.dumps(sorted(self._sleeping_tags))
+        return b'{"status":"sleeping","tags":%s}' % tags.encode()
+
     def _wake_up(self, exchange: _Exchange) -> None:
         self.wake_calls += 1
         tags = frozenset(_query(exchange.request).get("tags", [])) or ALL_TAGS
         if self._wake is not None:
             # vLLM serializes wakes: answer when the running one ends
             if self.wake_answers_early:
-                exchange.respond(200, b"", b"application/json")
+                exchange.respond(200, self._wake_body(), b"application/json")
             else:
                 self._wake.waiters.append(exchange)
             return
         if self._state is not EngineState.ASLEEP:
-            exchange.respond(200, b"", b"application/json")
+            exchange.respond(200, self._wake_body(), b"application/json")
             return
         if self._sleeping_tags == ALL_TAGS:
             self.wake_sequences += 1
@@ -669,7 +678,7 @@ class FakeVLLM:
         self._wake = wake
         self._state = EngineState.WAKING
         if self.wake_answers_early:
-            exchange.respond(200, b"", b"application/json")
+            exchange.respond(200, self._wake_body(), b"application/json")
         else:
             wake.waiters.append(exchange)
         if self.wake_latency > 0:
@@ -696,8 +705,9 @@ class FakeVLLM:
                 self._state = EngineState.AWAKE
                 self._level = None
                 self._ready_at = self.clock.seconds() + self.health_delay
+            body = self._wake_body()
             for exchange in wake.waiters:
-                exchange.respond(200, b"", b"application/json")
+                exchange.respond(200, body, b"application/json")
         for idle in wake.idle:
             idle.callback(None)
         if self._state is EngineState.AWAKE:
