@@ -522,6 +522,7 @@ class _JobCore:
     inference: bool
     observer: JobObserver
     created_at: float
+    present: Callable[[str], bool] | None = None
     result: Deferred[JobOutcome] = field(init=False)
     on_finish: Callable[[], None] = lambda: None
     dispatches: int = 0
@@ -837,11 +838,21 @@ def _build_machine() -> Callable[[_JobCore], _JobInputs]:
     def _check_target(c: _JobInputs, core: _JobCore, inflight: _InFlight) -> None:
         if inflight.cancelling:
             return
-        candidates = core.resolve()
-        if candidates is None:
-            return
-        if inflight.node_id in {target.node_id for target in candidates}:
-            return
+        if core.present is not None:
+            # A side-effect-free check: resolving would also re-order and
+            # re-reserve, moving the claim off the node doing the work.
+            try:
+                if core.present(inflight.node_id):
+                    return
+            except Exception:
+                log.failure("dispatch: presence check raised")
+                return
+        else:
+            candidates = core.resolve()
+            if candidates is None:
+                return
+            if inflight.node_id in {target.node_id for target in candidates}:
+                return
         log.debug(
             "dispatch: job {job} target {node} left discovery; cancelling"
             " attempt {attempt}",
@@ -960,6 +971,7 @@ class Dispatcher:
         observer: JobObserver | None = None,
         subscribe: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
         created_at: float | None = None,
+        present: Callable[[str], bool] | None = None,
     ) -> Deferred[JobOutcome]:
         """
         Run one job to its end.
@@ -973,6 +985,9 @@ class Dispatcher:
             its unsubscribe function (called when the job ends).  On change,
             if the in-flight attempt's node is no longer in C{resolver()},
             that attempt is cancelled (§5.3).
+        @param present: whether a node still owns what the job asks for;
+            when given, a discovery change asks it instead of C{resolver()}
+            (which may have side effects such as taking reservations).
         @param created_at: when the request was created (C{clock.seconds()}
             scale); the deadline counts from it.  Default: now.
 
@@ -996,6 +1011,7 @@ class Dispatcher:
             inference=inference,
             observer=observer,
             created_at=self._clock.seconds() if created_at is None else created_at,
+            present=present,
         )
         machine = _JobMachine(core)
 

@@ -235,6 +235,7 @@ class Facade:
             inference=kind is RouteKind.INFERENCE,
             observer=accounting,
             subscribe=self._subscribe,
+            present=self._present(model),
         )
         return _settle(d, client)
 
@@ -360,6 +361,19 @@ class Facade:
         request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(data)])
         request.write(data)
         request.finish()
+
+    def _present(self, model: str | None) -> Callable[[str], bool]:
+        """
+        Whether a node still answers for this engine (and advertises
+        C{model}) in the live snapshot: the target-lost check of §5.3.
+        """
+        engine = self.engine.id
+
+        def present(node_id: str) -> bool:
+            entry = self._discovery.current.node(engine, node_id)
+            return entry is not None and (model is None or entry.advertises(model))
+
+        return present
 
     def _subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
         return self._discovery.subscribe(lambda _snapshot: callback())

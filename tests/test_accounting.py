@@ -71,6 +71,36 @@ class BurstTests(ProxyTestCase):
         self.assertEqual(set(proxy.status()["reservations"].values()), {0})
 
 
+class ClaimTests(ProxyTestCase):
+    async def test_discovery_change_keeps_the_claim(self) -> None:
+        """
+        An inventory change while an attempt is in flight neither moves the
+        reservation off the node doing the work nor takes another (§6).
+        """
+        from twisted.internet import reactor
+        from twisted.internet.task import deferLater
+
+        a = await self.engine("ollama", ["m:latest"])
+        b = await self.engine("ollama", ["m:latest"])
+        a.default = Behaviour(latency=0.5)
+        proxy = await self.proxy({"ollama": a.url}, nodes={"gpu-2": {"ollama": b.url}})
+        request = Deferred.fromCoroutine(
+            self.post(
+                facade_url(proxy, "ollama") + "/api/generate",
+                {"model": "m", "stream": False},
+            )
+        )
+        await deferLater(reactor, 0.1, lambda: None)
+        self.assertEqual(proxy.status()["reservations"], {"gpu-2": 0, "local": 1})
+        for model in ("x:latest", "y:latest"):
+            b.models.append(model)
+            await proxy.polling.poll()
+            self.assertEqual(proxy.status()["reservations"], {"gpu-2": 0, "local": 1})
+        code, _, _ = await request
+        self.assertEqual(code, 200)
+        self.assertEqual(proxy.status()["reservations"], {"gpu-2": 0, "local": 0})
+
+
 class PinTests(ProxyTestCase):
     async def test_pin_routes_first_and_ineligible_pin_ignored(self) -> None:
         local = await self.engine("ollama", ["m:latest"])
