@@ -13,7 +13,7 @@ whose methods are the dispatcher's ``JobObserver`` hooks::
     committed(node, status)      workload:started      running    node
     finished(outcome, stats)     workload:completed    completed  unchanged
                                  workload:errored      failed     unchanged
-                                 workload:cancelled    cancelled  unchanged
+                                 workload:errored      cancelled  unchanged
 
 Exactly one terminal event per workload; hooks after it are ignored, and so are
 pre-commit hooks after the commit (the state rank never goes back). ``stats`` is
@@ -58,8 +58,7 @@ SUBMITTED = "workload:submitted"
 STARTED = "workload:started"
 COMPLETED = "workload:completed"
 ERRORED = "workload:errored"
-CANCELLED = "workload:cancelled"
-TERMINAL = frozenset({COMPLETED, ERRORED, CANCELLED})
+TERMINAL = frozenset({COMPLETED, ERRORED})
 
 
 @frozen
@@ -280,18 +279,25 @@ class WorkloadTracker:
         if outcome.state == "completed":
             self._emit(COMPLETED, state="completed", completedAt=now, stats=stats)
         elif outcome.state == "cancelled":
+            # §5.5 has two terminal methods; a cancel is its own *state*
+            # (§5.4), reported through workload:errored.
             self._emit(
-                CANCELLED,
+                ERRORED,
                 state="cancelled",
                 completedAt=now,
                 error=outcome.reason,
                 stats=stats,
             )
         else:
-            error = outcome.reason
-            if not error:
-                code = outcome.status if outcome.status is not None else status
-                error = f"upstream status {code}" if code is not None else "failed"
+            if status is not None:
+                # A committed answer that failed: the engine's status, not
+                # how the copy ended.
+                error = f"upstream status {status}"
+            else:
+                code = outcome.status
+                error = outcome.reason or (
+                    f"upstream status {code}" if code is not None else "failed"
+                )
             self._emit(
                 ERRORED, state="failed", completedAt=now, error=error, stats=stats
             )

@@ -146,6 +146,18 @@ class RecorderTests(SynchronousTestCase):
         self.assertIsNone(final.stats)
         self.assertEqual(final.error, "upstream status 400")
 
+    def test_committed_error_names_the_status(self) -> None:
+        """
+        The dispatcher's reason for a committed answer is how the copy ended
+        ("complete"); the error of a failed one is the engine's status.
+        """
+        tracker = self.recorder.begin("ollama", "m")
+        tracker.admitted()
+        tracker.dispatching(NODE_A, 1)
+        tracker.committed(NODE_A, 429)
+        tracker.finished(FakeOutcome("failed", 429, NODE_A, reason="complete"))
+        self.assertEqual(self.sink.events[-1][1].error, "upstream status 429")
+
     def test_committed_3xx_stats_kept(self) -> None:
         tracker = self.recorder.begin("ollama", "m")
         tracker.committed(NODE_A, 302)
@@ -162,7 +174,7 @@ class RecorderTests(SynchronousTestCase):
             [
                 ("workload:submitted", "queued", None, 1),
                 ("workload:submitted", "queued", NODE_A, 2),
-                ("workload:cancelled", "cancelled", NODE_A, 3),
+                ("workload:errored", "cancelled", NODE_A, 3),
             ],
         )
         self.assertEqual(self.sink.events[-1][1].error, "client gone")
@@ -188,7 +200,7 @@ class RecorderTests(SynchronousTestCase):
         tracker.between_attempts()
         self.assertEqual(
             [m for m, _ in self.sink.events],
-            ["workload:submitted", "workload:cancelled"],
+            ["workload:submitted", "workload:errored"],
         )
 
     def test_no_queued_after_commit(self) -> None:
