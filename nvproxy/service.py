@@ -269,8 +269,9 @@ class NvProxy(MultiService):
         self.server_tls: ServerTLS | None = None
         if cluster is not None:
             cluster.setServiceParent(self)  # type: ignore[no-untyped-call]
-            if cluster.current.member:
-                self.server_tls = ServerTLS(lambda: cluster.current)
+            # Always, so a node that joins later needs no restart (§7): with
+            # no identity yet every handshake simply fails.
+            self.server_tls = ServerTLS(lambda: cluster.current)
         self.reactor = reactor
         self.node_id = node_id
         self.pins: dict[str, str] = {}
@@ -318,9 +319,7 @@ class NvProxy(MultiService):
         )
         self.polling.setServiceParent(self)  # type: ignore[no-untyped-call]
         if cluster is not None:
-            cluster.subscribe(
-                lambda _state: self.polling.set_endpoints(self._endpoints())
-            )
+            cluster.subscribe(lambda _state: self._cluster_changed())
         dispatch = config.dispatch
         self.dispatcher = Dispatcher(
             reactor,
@@ -406,6 +405,15 @@ class NvProxy(MultiService):
                             )
                         )
         return endpoints
+
+    def _cluster_changed(self) -> None:
+        """
+        Membership or pins changed: poll the new set of peers, and drop idle
+        pooled connections, which were authenticated against the old pins
+        (new ones are dialled with the current pins).
+        """
+        self.polling.set_endpoints(self._endpoints())
+        self.upstream.pool.closeCachedConnections()
 
     def _peer_tls(self, host: str, port: int) -> IOpenSSLClientConnectionCreator | None:
         """

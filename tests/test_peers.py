@@ -141,3 +141,53 @@ class ClusterTests(ProxyTestCase):
             facade_url(a, "ollama") + "/api/generate", {"model": "node-c"}
         )
         self.assertEqual(code, 502)
+
+
+class JoinTests(ProxyTestCase):
+    async def test_join_without_restart(self) -> None:
+        """
+        A node started with an empty cluster dir joins once its identity and
+        peers appear: no restart for either side (§7).
+        """
+        root = os.path.abspath(self.mktemp())
+        dirs = {n: ClusterDir(os.path.join(root, n)) for n in ("node-a", "node-b")}
+        os.makedirs(dirs["node-a"].path)
+        fingerprint_b = dirs["node-b"].init("node-b", reactor).fingerprint
+        ports = {n: free_port() for n in dirs}
+        proxies = {}
+        fakes = {}
+        for node in dirs:
+            fake = await self.engine("ollama", [f"{node}:latest"])
+            fakes[node] = fake
+            config = proxy_config(
+                os.path.join(root, node + "-state"), {"ollama": fake.url}
+            )
+            engines = dict(config.engines)
+            engines["ollama"] = evolve(engines["ollama"], port=ports[node])
+            config = evolve(
+                config,
+                node_id=node,
+                cluster_dir=os.path.join(root, node),
+                engines=engines,
+            )
+            proxy = await start_proxy(reactor, config)
+            self.addCleanup(proxy.stopService)
+            proxies[node] = proxy
+        fingerprint_a = dirs["node-a"].init("node-a", reactor).fingerprint
+        dirs["node-a"].add_peer(
+            Peer("node-b", "127.0.0.1", fingerprint_b, {"ollama": ports["node-b"]})
+        )
+        dirs["node-b"].add_peer(
+            Peer("node-a", "127.0.0.1", fingerprint_a, {"ollama": ports["node-a"]})
+        )
+        for proxy in proxies.values():
+            assert proxy.cluster is not None
+            proxy.cluster.reload()
+        for proxy in proxies.values():
+            await proxy.polling.poll()
+        code, _, body = await self.post(
+            facade_url(proxies["node-b"], "ollama") + "/api/generate",
+            {"model": "node-a", "stream": False},
+        )
+        self.assertEqual(code, 200, body)
+        self.assertEqual(len(_inference(fakes["node-a"])), 1)
