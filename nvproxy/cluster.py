@@ -87,6 +87,7 @@ from twisted.web.client import BrowserLikePolicyForHTTPS
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
+from nvproxy.config import NODE_ID_PATTERN, node_id_problem
 from nvproxy.files import atomic_write
 
 __all__ = [
@@ -185,22 +186,14 @@ def _short(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
-_DNS_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
-
-
 def validate_node_id(text: str) -> str:
     """
     Return C{text} lower-cased if it is a usable node id: a DNS name (it goes in the
     certificate's DNS SAN) whose last label is not all digits (so it can never be
-    read as an IP address).
+    read as an IP address); the same rule as the configuration's.
     """
     node_id = text.strip().lower()
-    if (
-        not _DNS_NAME.fullmatch(node_id)
-        or len(node_id) > 253
-        or node_id.rsplit(".", 1)[-1].isdigit()
-    ):
+    if node_id_problem(node_id) is not None:
         raise ClusterError(
             f"{_short(text)} is not a valid node id "
             "(use a DNS name: letters, digits, '-' and '.', not an IP address)"
@@ -217,7 +210,7 @@ def _validate_address(text: str) -> str:
     except ValueError:
         pass
     name = host.lower().rstrip(".")
-    if not _DNS_NAME.fullmatch(name) or len(name) > 253:
+    if not NODE_ID_PATTERN.fullmatch(name) or len(name) > 253:
         raise ClusterError(
             f"address {_short(text)} is not a host name or IP address "
             "(give the host alone: no scheme, no port)"

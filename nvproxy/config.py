@@ -50,9 +50,27 @@ Control = Literal["stdio"]
 
 SYSTEM_STATE_DIR: Final = "/var/lib/nvproxy"
 NODE_ID_FILE: Final = "node-id"
-NODE_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-"""Node ids and vLLM service names: usable as a DNS name (the cluster
-certificate's SAN) and as one URL path segment."""
+NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+"""vLLM service names: usable as one URL path segment."""
+
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+NODE_ID_PATTERN: Final = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+"""Node ids, lower case: a DNS name (the cluster certificate's SAN)."""
+
+
+def node_id_problem(text: str) -> str | None:
+    """
+    Why C{text} (already lower-cased) cannot be a node id, or C{None}: it
+    must be a DNS name whose last label is not all digits (so it can never
+    be read as an IP address).
+    """
+    if (
+        not NODE_ID_PATTERN.fullmatch(text)
+        or len(text) > 253
+        or text.rsplit(".", 1)[-1].isdigit()
+    ):
+        return "must be a DNS name: letters, digits, '-' and '.', not an IP address"
+    return None
 
 FLAG_NAMES: Final = (
     "config",
@@ -567,9 +585,17 @@ def _interface(value: _Value) -> str:
     return str(address)
 
 
+def _node_id(value: _Value) -> str:
+    text = _string(value).strip().lower()
+    problem = node_id_problem(text)
+    if problem is not None:
+        raise ConfigError(value.key, f"{problem}, got {_show(value.raw)}")
+    return text
+
+
 def _identifier(value: _Value) -> str:
     text = _string(value)
-    if not NODE_ID_PATTERN.fullmatch(text):
+    if not NAME_PATTERN.fullmatch(text):
         raise ConfigError(
             value.key,
             "must be 1 to 63 letters, digits, '.', '_' or '-', starting with a"
@@ -914,7 +940,7 @@ def _nodes(
         id_value = _get(table, item.key, "id")
         if id_value is None:
             raise ConfigError(_join(item.key, "id"), "is required")
-        node_id = _identifier(id_value)
+        node_id = _node_id(id_value)
         if node_id in {node.id for node in nodes}:
             raise ConfigError(id_value.key, f"duplicate node id {_show(node_id)}")
         if node_id == own_id:
@@ -1031,7 +1057,7 @@ def load_config(
 
     node_id = None
     if value := _pick(overrides, "node-id", document, "", "node_id"):
-        node_id = _identifier(value)
+        node_id = _node_id(value)
 
     if value := _pick(overrides, "state-dir", document, "", "state_dir"):
         state_dir = _path(value)
@@ -1124,13 +1150,20 @@ def load_config(
 
 def node_id_from_hostname(hostname: str) -> str:
     """
-    A valid node id (L{NODE_ID_PATTERN}) made from a host name: invalid
-    characters become C{-}, the result is cut to 63 characters; C{"node"}
-    when nothing usable is left.
+    A valid node id (see L{node_id_problem}) made from a host name: lower
+    case, other characters become C{-}, each label trimmed of C{-} and cut
+    to 63 characters, empty labels dropped; C{"node"} when nothing usable is
+    left (or only an all-digit last label).
     """
-    candidate = re.sub(r"[^A-Za-z0-9._-]+", "-", hostname.strip())
-    candidate = candidate.lstrip("._-")[:63].rstrip("._-")
-    return candidate or "node"
+    labels = []
+    for label in hostname.strip().lower().split("."):
+        label = re.sub(r"[^a-z0-9-]+", "-", label).strip("-")[:63].strip("-")
+        if label:
+            labels.append(label)
+    candidate = ".".join(labels)[:253].strip(".-")
+    if not candidate or node_id_problem(candidate) is not None:
+        return "node"
+    return candidate
 
 
 def resolve_node_id(config: Config, hostname: str) -> str:
@@ -1155,7 +1188,7 @@ def resolve_node_id(config: Config, hostname: str) -> str:
         raise ConfigError(path, f"cannot read: {e.strerror or e}") from None
     else:
         text = data.decode("utf-8", "replace").strip()
-        if not NODE_ID_PATTERN.fullmatch(text):
+        if node_id_problem(text) is not None:
             raise ConfigError(
                 path,
                 f"not a valid node id: {_show(text)}; fix or delete the file",
