@@ -108,7 +108,13 @@ class ClientSide:
         if self.gone or self.request.finished:
             return
         self.aborted = True
-        self.request.loseConnection()
+        # Not loseConnection: it waits for buffered data to drain, forever
+        # for a stalled client.  A reset is also the clearer signal.
+        transport = getattr(getattr(self.request, "channel", None), "transport", None)
+        if transport is not None and hasattr(transport, "abortConnection"):
+            transport.abortConnection()
+        else:
+            self.request.loseConnection()
 
     def reject(
         self,
@@ -397,6 +403,9 @@ class HttpAttempt:
         self._unregister()
         self._stop_upstream()
         if committed:
+            # Shutdown with the client still there: end its stream as cut
+            # (not finished, which would make it look whole).
+            self._client.abort()
             if not self._done.called:
                 self._done.callback(StreamEnd.CLIENT_GONE)
         elif not self.result.called:

@@ -72,6 +72,7 @@ def node_id_problem(text: str) -> str | None:
         return "must be a DNS name: letters, digits, '-' and '.', not an IP address"
     return None
 
+
 FLAG_NAMES: Final = (
     "config",
     "response-header-timeout",

@@ -40,6 +40,7 @@ from twisted.logger import Logger
 from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 
+from nvproxy.admin import AdminError
 from nvproxy.engines import ENGINES
 from nvproxy.scheduler import SchedulerSnapshot
 from nvproxy.workload import WorkloadInfo, notification
@@ -172,6 +173,13 @@ class ControlLink(LineOnlyReceiver):
                 error = failure.value
                 assert isinstance(error, ControlError)
                 code, text = error.code, error.message
+            elif failure.check(AdminError):
+                # The same refusals the admin API gives (engine not enabled,
+                # port taken): the broker's mistake or a busy port, not a bug.
+                admin = failure.value
+                assert isinstance(admin, AdminError)
+                code = INVALID_PARAMS if admin.status < 409 else SERVER_ERROR
+                text = admin.message
             else:
                 log.failure("broker request {method} failed", failure, method=method)
                 code, text = SERVER_ERROR, "internal error"

@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
+from urllib.parse import quote
 
 DEFAULT_ADMIN = "127.0.0.1:8010"
 
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _request(args: argparse.Namespace) -> tuple[str, str, bytes | None]:
     command = args.command
+    for name in ("service", "engine"):
+        if hasattr(args, name):
+            setattr(args, name, quote(getattr(args, name), safe=""))
     if command == "status":
         return "GET", "/admin/status", None
     if command == "wake":

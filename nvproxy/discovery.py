@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from attrs import field, frozen
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -189,7 +189,9 @@ class PollingDiscovery(Service):
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
-        self._loop.start(self._interval, now=True)
+        self._loop.start(self._interval, now=True).addErrback(
+            lambda failure: log.failure("inventory polling stopped", failure)
+        )
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()  # type: ignore[no-untyped-call]
@@ -226,7 +228,7 @@ class PollingDiscovery(Service):
                 engine.normalize_model(m) for m in self._static[endpoint]
             )
             self._answers[endpoint] = models
-            return Deferred.fromCoroutine(_noop())
+            return succeed(None)
         url = endpoint.base_url.rstrip("/") + engine.poll.path
         # A poll may take at most one interval (and at least a second) so a
         # dead node stops advertising within about two intervals.
@@ -259,7 +261,10 @@ class PollingDiscovery(Service):
                 waiter.callback(None)
 
         d = self._client.get_json(url, timeout)
-        d.addCallbacks(answered, failed)
+        # Errback after callback: an answer of the wrong shape (answered
+        # raises) stops advertising too.
+        d.addCallback(answered)
+        d.addErrback(failed)
         d.addBoth(settled)
         return d
 
@@ -280,10 +285,6 @@ class PollingDiscovery(Service):
                 node_id, endpoints[0].kind, models, tuple(endpoints)
             )
         self.discovery.publish(engines)
-
-
-async def _noop() -> None:
-    return None
 
 
 def _short(reason: Any) -> str:

@@ -22,7 +22,6 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import treq
 from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred, gatherResults
 from twisted.internet.interfaces import IReactorTime
@@ -33,7 +32,7 @@ from twisted.web.iweb import IAgent
 from nvproxy.accounting import Accounting, RequestAccounting
 from nvproxy.attempt import ClientSide, HttpAttempt, UpstreamRequest
 from nvproxy.bodies import BadBody, media_type, model_from_json, model_from_multipart
-from nvproxy.discovery import Discovery, Endpoint, NodeEntry
+from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
 from nvproxy.dispatch import (
     Dispatcher,
     JobOutcome,
@@ -46,6 +45,9 @@ from nvproxy.pathnorm import normalize_path
 from nvproxy.vllm import ModelRequired, UnknownModel, VllmManager, WakingTarget
 
 log = Logger()
+
+INVENTORY_TIMEOUT = 10.0
+"""Seconds a node may take to answer an inventory fan-out, body included."""
 
 
 class HttpTarget:
@@ -126,7 +128,7 @@ class Facade:
         discovery: Discovery,
         dispatcher: Dispatcher,
         agent: IAgent,
-        control: Any,
+        inventory: InventoryClient,
         clock: IReactorTime,
         response_timeout: float,
         cooperator: Any,
@@ -140,7 +142,7 @@ class Facade:
         self._discovery = discovery
         self._dispatcher = dispatcher
         self._agent = agent
-        self._control = control
+        self._inventory_client = inventory
         self._clock = clock
         self._timeout = response_timeout
         self._cooperator = cooperator
@@ -216,11 +218,8 @@ class Facade:
             return None
         model, upstream = prepared
         accounting = self._accounting.begin(self.engine, model, kind)
+        # (The dispatcher resolves a non-inference request once, §5.1.)
         resolver = self._resolver(model, upstream, client, accounting)
-        if kind is not RouteKind.INFERENCE:
-            # Non-inference requests resolve candidates exactly once (§5.1).
-            once = list(resolver())
-            resolver = lambda: once  # noqa: E731
         log.debug(
             "{engine} {kind} {method} {path} model={model}",
             engine=self.engine.id,
@@ -480,13 +479,8 @@ class Facade:
         async def ask(endpoint: Endpoint) -> object:
             url = endpoint.base_url.rstrip("/") + listing.path
             try:
-                d = self._control.get(url, headers={"Accept": ["application/json"]})
-                d.addTimeout(10, self._clock)
-                response = await d
-                body = await treq.content(response)
-                if response.code != 200:
-                    return None
-                return json.loads(body)
+                # The whole exchange is bounded, body included.
+                return await self._inventory_client.get_json(url, INVENTORY_TIMEOUT)
             except CancelledError:
                 raise
             except Exception as e:

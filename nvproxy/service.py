@@ -309,9 +309,10 @@ class NvProxy(MultiService):
                 if endpoint.service is not None:
                     service = self.vllm.registry.service(endpoint.service)
                     static[endpoint] = [service.model]
+        self.inventory_client = TreqInventoryClient(self.upstream.treq, reactor)
         self.polling = PollingDiscovery(
             self.discovery,
-            TreqInventoryClient(self.upstream.treq, reactor),
+            self.inventory_client,
             reactor,
             self._endpoints(),
             interval=config.discovery_poll_interval,
@@ -475,7 +476,7 @@ class NvProxy(MultiService):
             discovery=self.discovery,
             dispatcher=self.dispatcher,
             agent=self.upstream.agent,
-            control=self.upstream.treq,
+            inventory=self.inventory_client,
             clock=self.reactor,
             response_timeout=self.config.dispatch.response_header_timeout,
             cooperator=self.upstream.cooperator,
@@ -604,9 +605,15 @@ class NvProxy(MultiService):
         d = super().stopService()  # type: ignore[no-untyped-call]
         stopped: Deferred[Any] = d if isinstance(d, Deferred) else succeed(None)
         stopped.addBoth(lambda _: self.upstream.close())
+        stopped.addBoth(lambda _: self._close_workload_log())
+        return stopped
+
+    def _close_workload_log(self) -> None:
+        # After the listeners are down: a request refused during shutdown
+        # still writes its events.
         if self._workload_file is not None:
             self._workload_file.close()
-        return stopped
+            self._workload_file = None
 
     def ready(self) -> Deferred[Any]:
         """

@@ -36,6 +36,9 @@ class FacadeRequest(Request):
     multipart upload into memory.
     """
 
+    # twisted.web adds text/html to a response without a content type; a
+    # proxy relays the upstream's headers as they are.
+    defaultContentType = None
     _received = 0
     _rejected = False
 

@@ -48,12 +48,23 @@ class FakeAgent:
         return d
 
 
+class _Channel:
+    def __init__(self, request: FakeClientRequest) -> None:
+        self.transport = self
+        self._request = request
+
+    def abortConnection(self) -> None:
+        self._request.aborted = True
+
+
 class FakeClientRequest:
     """
     The parts of a twisted.web request the client side uses.
     """
 
     def __init__(self) -> None:
+        self.channel = _Channel(self)
+        self.aborted = False
         self.code: int | None = None
         self.responseHeaders = Headers()
         self.written: list[bytes] = []
@@ -301,7 +312,8 @@ class AttemptTests(SynchronousTestCase):
         committed = self.successResultOf(attempt.result)
         assert isinstance(committed, Committed)
         self.assertEqual(self.successResultOf(committed.done), StreamEnd.TRUNCATED)
-        self.assertTrue(self.client_request.lost)
+        # Reset, not a graceful close that would wait on a stalled client.
+        self.assertTrue(self.client_request.aborted)
         self.assertFalse(self.client_request.finished)
 
     def test_client_gone_during_stream(self) -> None:
@@ -314,6 +326,24 @@ class AttemptTests(SynchronousTestCase):
         self.client_request.disconnect()
         attempt.abort()
         self.assertEqual(self.successResultOf(committed.done), StreamEnd.CLIENT_GONE)
+        self.assertFalse(self.client_request.aborted)
+
+    def test_shutdown_after_commit_cuts_the_stream(self) -> None:
+        """
+        Aborting a committed attempt while the client is still there (our
+        own shutdown) resets the client's connection: its stream must not
+        look complete.
+        """
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"part")
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        attempt.abort()
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.CLIENT_GONE)
+        self.assertTrue(self.client_request.aborted)
+        self.assertFalse(self.client_request.finished)
 
     def test_abort_before_headers(self) -> None:
         attempt = self.start()

@@ -380,6 +380,20 @@ class InventoryTests(ProxyTestCase):
         )
 
 
+class InventoryShapeTests(ProxyTestCase):
+    async def test_wrong_shape_stops_advertising(self) -> None:
+        """
+        A node whose model list answers 200 with something that is not a
+        model list stops advertising, like one that does not answer.
+        """
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url}, poll_interval=600.0)
+        self.assertTrue(proxy.discovery.current.owners("ollama", "m:latest"))
+        fake.script(Behaviour(body=b'{"error": "busy"}'), path="/api/tags")
+        await proxy.polling.poll()
+        self.assertEqual(proxy.discovery.current.owners("ollama", "m:latest"), ())
+
+
 class IsolationTests(ProxyTestCase):
     async def test_port_conflict_is_contained(self) -> None:
         """
