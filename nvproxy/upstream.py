@@ -7,13 +7,15 @@ proxy, an L{Agent} for the data path, treq on the same pool for control calls
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import treq
 from treq.client import HTTPClient
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import (
     IConsumer,
@@ -21,15 +23,15 @@ from twisted.internet.interfaces import (
     IStreamClientEndpoint,
 )
 from twisted.internet.ssl import optionsForClientTLS
-from twisted.internet.task import Cooperator
+from twisted.internet.task import Cooperator, TaskDone, TaskStopped
+from twisted.python.failure import Failure
 from twisted.web.client import (
     Agent,
-    FileBodyProducer,
     HTTPConnectionPool,
     _HTTP11ClientFactory,
 )
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IBodyProducer
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer
 from zope.interface import implementer
 
 from nvproxy.discovery import InventoryClient
@@ -98,6 +100,71 @@ class BytesProducer:
 
 
 IN_MEMORY_LIMIT = 1 << 20
+READ_SIZE = 1 << 16
+
+
+def _reader(content: IO[bytes]) -> Callable[[int, int], bytes]:
+    """
+    Read C{n} bytes at C{offset} without moving anyone's file position:
+    every attempt of a job streams the same buffered body.
+    """
+    if isinstance(content, io.BytesIO):
+        view = content.getbuffer()
+        return lambda offset, n: bytes(view[offset : offset + n])
+    fd = content.fileno()
+    return lambda offset, n: os.pread(fd, n, offset)
+
+
+@implementer(IBodyProducer)
+class RangeBodyProducer:
+    """
+    Streams a buffered request body with backpressure from its own offset.
+
+    Unlike C{FileBodyProducer} it neither moves the shared file position nor
+    closes the file, so a retry (another attempt, another producer) can send
+    the same body again.
+    """
+
+    def __init__(self, content: IO[bytes], size: int, cooperator: Cooperator) -> None:
+        self.length = size
+        self._read = _reader(content)
+        self._cooperator = cooperator
+        self._task: Any = None
+
+    def _chunks(self, consumer: IConsumer) -> Iterator[None]:
+        offset = 0
+        while offset < self.length:
+            data = self._read(offset, min(READ_SIZE, self.length - offset))
+            if not data:
+                break
+            consumer.write(data)
+            offset += len(data)
+            yield None
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        self._task = self._cooperator.cooperate(self._chunks(consumer))
+        done: Deferred[None] = self._task.whenDone()
+
+        def stopped(reason: Failure) -> Deferred[None] | Failure:
+            if reason.check(CancelledError):
+                self.stopProducing()
+            elif not reason.check(TaskStopped):
+                return reason
+            # IBodyProducer: this Deferred never fires once stopped.
+            return Deferred()
+
+        done.addCallbacks(lambda _: None, stopped)
+        return done
+
+    def pauseProducing(self) -> None:
+        self._task.pause()
+
+    def resumeProducing(self) -> None:
+        self._task.resume()
+
+    def stopProducing(self) -> None:
+        with contextlib.suppress(TaskDone):
+            self._task.stop()
 
 
 def body_producer(content: IO[bytes], cooperator: Cooperator) -> IBodyProducer | None:
@@ -105,8 +172,9 @@ def body_producer(content: IO[bytes], cooperator: Cooperator) -> IBodyProducer |
     A fresh producer for a buffered request body, or C{None} when it is empty.
 
     Small bodies are sent in one write; larger ones (twisted.web spools them to
-    a temporary file) are streamed from the file with backpressure, so a retry
-    re-reads the file rather than holding a second copy.
+    a temporary file) are streamed with backpressure, each attempt reading at
+    its own offset, so a retry re-reads the file rather than holding a second
+    copy and no two attempts disturb each other.
     """
     content.seek(0, os.SEEK_END)
     size = content.tell()
@@ -117,10 +185,7 @@ def body_producer(content: IO[bytes], cooperator: Cooperator) -> IBodyProducer |
         data = content.read()
         content.seek(0)
         return BytesProducer(data)
-    producer = FileBodyProducer(content, cooperator=cooperator)
-    if producer.length is UNKNOWN_LENGTH:
-        producer.length = size
-    return producer
+    return RangeBodyProducer(content, size, cooperator)
 
 
 @implementer(IAgentEndpointFactory)

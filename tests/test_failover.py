@@ -64,6 +64,25 @@ class FailoverTests(ProxyTestCase):
     async def test_openai_non_streaming(self) -> None:
         await self.check_failover("openai", "vllm", False)
 
+    async def test_large_body_is_sent_again_on_retry(self) -> None:
+        """
+        A body too large to hold in memory (spooled to a file) reaches every
+        attempt whole: a retry re-reads it from the start.
+        """
+        fake = await self.engine("openai", ["m"])
+        fake.script(Behaviour(status=503), Behaviour(status=503))
+        proxy = await self.proxy({"lmstudio": fake.url}, backoff=(0.01,))
+        prompt = "x" * (3 * 1024 * 1024)
+        code, _, _ = await self.post(
+            facade_url(proxy, "lmstudio") + "/v1/completions",
+            {"model": "m", "prompt": prompt},
+        )
+        self.assertEqual(code, 200)
+        bodies = [r.body for r in fake.requests if r.path == "/v1/completions"]
+        self.assertEqual(len(bodies), 3)
+        self.assertEqual({len(b) for b in bodies}, {len(bodies[0])})
+        self.assertEqual(json.loads(bodies[-1])["prompt"], prompt)
+
     async def test_final_attempt_answers_for_itself(self) -> None:
         """
         Five fast 503s: the fifth one's status and body reach the client
