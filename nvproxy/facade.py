@@ -212,6 +212,12 @@ class Facade:
             return self._for_peer(request, kind)
         if kind is RouteKind.INVENTORY:
             return self._inventory(request, text)
+        if self._vllm is not None and normalize_path(path) == "/health":
+            # FD §6.2: liveness of the front door plus each service's state,
+            # without touching (or waking) any service.
+            return self._answer_json(
+                request, {"status": "ok", "services": self._vllm.status()}
+            )
         client = ClientSide(request, self._error_body)
         prepared = self._prepare(request, kind, client, kind is RouteKind.INFERENCE)
         if prepared is None:
@@ -261,7 +267,7 @@ class Facade:
             client.reject(502, f"this node runs no {self.engine.name} engine")
             return None
         accounting = self._accounting.begin(self.engine, None, RouteKind.OTHER)
-        target = self._target(endpoint, upstream, client, accounting)
+        target = self._target(endpoint, upstream, client, accounting, model=model)
         log.debug(
             "{engine} peer request from {peer} to the local engine",
             engine=self.engine.id,
@@ -401,12 +407,21 @@ class Facade:
             entries = accounting.order(entries)
             targets: list[Target] = []
             for entry in entries:
-                endpoint = (
-                    entry.models[model] if model is not None else entry.endpoints[0]
-                )
+                if model is not None:
+                    endpoint = entry.models[model]
+                else:
+                    found = self._modelless_endpoint(entry)
+                    if found is None:
+                        continue
+                    endpoint = found
                 targets.append(
                     self._target(
-                        endpoint, upstream, client, accounting, len(entries) > 1
+                        endpoint,
+                        upstream,
+                        client,
+                        accounting,
+                        others=len(entries) > 1,
+                        model=model,
                     )
                 )
             return targets
@@ -420,11 +435,17 @@ class Facade:
         client: ClientSide,
         accounting: RequestAccounting,
         others: bool = False,
+        model: str | None = None,
     ) -> Target:
+        """
+        The dispatch target for C{endpoint}; with a C{model} (an inference
+        request), a local vLLM service is woken and held for first.
+        """
         url = endpoint.base_url.rstrip("/").encode("ascii") + upstream.path
         target = self._http_target(endpoint, url, upstream, client, accounting)
         if (
             self._vllm is not None
+            and model is not None
             and endpoint.kind == "local"
             and endpoint.service is not None
         ):
@@ -439,6 +460,21 @@ class Facade:
                 retry_elsewhere=others,
             )
         return target
+
+    def _modelless_endpoint(self, entry: NodeEntry) -> Endpoint | None:
+        """
+        Where a request naming no model goes on C{entry}.  A local vLLM
+        service is used only while awake, and never woken for it (nor is it
+        counted as activity): a health or metrics poller must not keep a
+        model awake.
+        """
+        vllm = self._vllm
+        if vllm is None or entry.kind != "local":
+            return entry.endpoints[0]
+        for endpoint in entry.endpoints:
+            if endpoint.service is None or vllm.is_awake(endpoint.service):
+                return endpoint
+        return None
 
     def _http_target(
         self,

@@ -305,3 +305,29 @@ class VllmFacadeTests(ProxyTestCase):
         self.assertFalse(text.is_sleeping)
         code, out = await ctl("wake", "nope")
         self.assertEqual(code, 1, out)
+
+    async def test_modelless_routes_never_wake(self) -> None:
+        """
+        /health is the front door's own (FD §6.2) and a route naming no
+        model goes only to an awake service: pollers keep nothing awake.
+        """
+        proxy, text, embed, ocr = await self.start()
+        for fake in (text, embed, ocr):
+            fake.force_sleep(1)
+        url = facade_url(proxy, "vllm")
+        code, _, body = await self.client.request("GET", url + "/health")
+        self.assertEqual(code, 200)
+        health = json.loads(body)
+        self.assertEqual(health["status"], "ok")
+        self.assertEqual(
+            sorted(s["name"] for s in health["services"]), ["embed", "ocr", "text"]
+        )
+        code, _, _ = await self.client.request("GET", url + "/version")
+        self.assertEqual(code, 502)
+        self.assertEqual([f.wake_calls for f in (text, embed, ocr)], [0, 0, 0])
+        # Once a service is awake, such a route reaches it, still unwoken.
+        await self.post(url + "/v1/embeddings", {"input": "x"})
+        code, _, _ = await self.client.request("GET", url + "/version")
+        self.assertEqual(code, 200)
+        self.assertIn("/version", [p for _, _, p in embed.calls])
+        self.assertEqual(text.wake_calls, 0)
