@@ -140,7 +140,11 @@ class StatsMeter:
         return self._total
 
     def started(self) -> None:
-        """Mark the reference time for time to first token (the dispatch)."""
+        """
+        Mark the reference time for time to first token.  nvproxy calls it
+        at admission, so C{ttftMs} is what the client waited, failed
+        attempts and backoff included.
+        """
         self._started = self._clock.seconds()
 
     def feed(self, chunk: bytes) -> None:
