@@ -74,9 +74,18 @@ HOSTS = {"text": b"text.test", "ocr": b"ocr.test", "embed": b"embed.test"}
 PATHS = {"text": "/v1/chat/completions", "ocr": "/v1/chat/completions"}
 PATHS["embed"] = "/v1/embeddings"
 
+CHECK = ("GET", "/is_sleeping")
 WAKE = [
     ("GET", "/is_sleeping"),
     ("POST", "/wake_up"),
+    ("GET", "/is_sleeping"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/reset_prefix_cache"),
+    ("GET", "/health"),
+]
+
+# a retried wake that got past /wake_up: it is awake, the reload is pending
+RELOAD = [
     ("GET", "/is_sleeping"),
     ("POST", "/collective_rpc"),
     ("POST", "/reset_prefix_cache"),
@@ -215,6 +224,21 @@ class _StubTarget:
         return attempt
 
 
+class _Budget(dict[str, int]):
+    """
+    Scripted answers that stop after 200 lookups: a busy loop against them
+    fails its test instead of hanging it.
+    """
+
+    lookups = 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.lookups += 1
+        if self.lookups > 200:
+            return default
+        return super().get(key, default)
+
+
 class _Harness(SynchronousTestCase):
     """Fakes for every service on one Clock, reached through one StubTreq."""
 
@@ -235,6 +259,7 @@ class _Harness(SynchronousTestCase):
         services: tuple[VllmServiceConfig, ...] = SERVICES,
         hold: VllmHold | None = None,
         start: bool = True,
+        keep_checks: bool = False,
         **kwargs: Any,
     ) -> VllmManager:
         self.metrics = CollectorRegistry()
@@ -248,9 +273,16 @@ class _Harness(SynchronousTestCase):
             **kwargs,
         )
         self.managers.append(manager)
+        before = {name: len(fake.calls) for name, fake in self.fakes.items()}
         if start:
             manager.startService()
         self.pump()
+        if not keep_checks:
+            # the startup check (one GET /is_sleeping) is tested on its own
+            for name, fake in self.fakes.items():
+                new = [(m, p) for _, m, p in fake.calls[before[name] :]]
+                if new == [CHECK]:
+                    del fake.calls[before[name] :]
         return manager
 
     def _no_leftovers(self) -> None:
@@ -361,7 +393,7 @@ class WakeTests(_Harness):
             self.advance(0.5)
         self.assertEqual(self.control("text"), [WAKE[0], WAKE[-1]])
         self.assertEqual(len(self.inference("text")), 21)
-        self.advance(5)
+        self.advance(11)  # the default state_ttl is 10 s
         self.serve(manager)
         self.assertEqual(self.control("text"), [WAKE[0], WAKE[-1]] * 2)
 
@@ -537,6 +569,51 @@ class WakeTests(_Harness):
         self.serve(manager)
         rpc = [t for t, _, p in text.calls if p == "/collective_rpc"]
         self.assertGreaterEqual(rpc[0], 3.0)
+
+    def test_retry_after_failed_reload_reloads(self) -> None:
+        """
+        The first attempt got past /wake_up, then /collective_rpc failed:
+        the retry finds the service awake and still reloads the weights
+        and resets the prefix cache before anything is forwarded.
+        """
+        text = self.fakes["text"]
+        text.force_sleep(2)
+        text.rpc_failures = 1
+        manager = self.manager()
+        d = manager.ensure_awake("text")
+        self.advance(1)
+        self.successResultOf(d)
+        self.serve(manager)
+        self.assertEqual(self.control("text"), [*WAKE[:4], *RELOAD])
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(len(self.inference("text")), 1)
+        with open(f"{self.state_dir}/{STATE_FILE}") as f:
+            saved = json.load(f)["services"]["text"]
+        self.assertEqual(saved["reload_pending"], False)
+
+    def test_attempt_bounded_by_wake_timeout(self) -> None:
+        """
+        Every call of an attempt gets at most what is left of the attempt's
+        wake_timeout: a slow /wake_up then a stalled /collective_rpc fail
+        the attempt at wake_timeout, not wake_timeout later.
+        """
+        text = self.fakes["text"]
+        text.force_sleep(2)
+        text.wake_latency = 8
+        text.rpc_latency = 100
+        manager = self.manager(wake_timeout=10)
+        d = manager.wake("text")
+        self.advance(19.5)
+        self.assertNoResult(d)
+        self.advance(1)
+        self.failureResultOf(d, WakeFailed)
+        rpc = [t for t, _, p in text.calls if p == "/collective_rpc"]
+        self.assertEqual(rpc, [8.0, 10.0])
+        # the next request finishes the pending reload
+        text.rpc_latency = 0
+        before = len(self.control("text"))
+        self.serve(manager)
+        self.assertEqual(self.control("text")[before:], RELOAD)
 
 
 class HoldTests(_Harness):
@@ -801,6 +878,64 @@ class DownTests(_Harness):
             self.assertEqual(self.fakes[name].wake_calls, 0)
             self.serve(manager, name)
 
+    def test_is_sleeping_unanswered_health_ok(self) -> None:
+        """
+        /is_sleeping answers 503 while /health answers 200: the probe
+        polls at health_poll and gives up at the deadline (retried once),
+        and the failed wake leaves the depth unknown, not restarting.
+        """
+        text = self.fakes["text"]
+        text.answer_instead = _Budget({"/is_sleeping": 503})
+        manager = self.manager(wake_timeout=10)
+        d = manager.ensure_awake("text")
+        self.pump()
+        self.assertLessEqual(len(text.calls), 4)  # no busy loop at t=0
+        self.advance(21)
+        error = self.failureResultOf(d, WakeFailed).value
+        assert isinstance(error, WakeFailed)
+        self.assertEqual(error.depth, Depth.OFFLOADED)  # /health answered
+        self.assertLessEqual(len(text.calls), 2 * 2 * (10 / 0.5 + 2))
+        status = manager.status()[0]
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("asleep", "unknown")
+        )
+        del text.answer_instead["/is_sleeping"]
+        self.serve(manager)
+        self.assertEqual(text.wake_calls, 0)
+
+    def test_recheck_with_active_stream_not_down(self) -> None:
+        """
+        The re-check of an awake service after state_ttl fails (/health
+        unreachable) while a stream runs: the held caller gets the 503, the
+        service stays awake, the stream completes, the next request checks
+        again.
+        """
+        text = self.fakes["text"]
+        text.chunk_interval = 10.0  # 60 s
+        manager = self.manager(wake_timeout=5)
+        self.assertEqual(manager.state_ttl, 10.0)
+        target, inner, _ = self.target(manager, stream=True)
+        attempt = target.start(final=True)
+        self.pump()
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.advance(15)
+        text.answer_instead["/health"] = 0
+        d = manager.ensure_awake("text")
+        self.advance(6)
+        self.failureResultOf(d, WakeFailed)
+        status = manager.status()[0]
+        self.assertEqual((status["state"], status["active_requests"]), ("awake", 1))
+        self.assertTrue(manager.is_awake("text"))
+        self.advance(50)
+        self.assertEqual(self.successResultOf(result.done), StreamEnd.COMPLETE)
+        del text.answer_instead["/health"]
+        text.chunk_interval = 0
+        self.advance(11)
+        before = len(self.control("text"))
+        self.serve(manager)
+        self.assertEqual(self.control("text")[before:], [WAKE[0], WAKE[-1]])
+
 
 class IdleTests(_Harness):
     def test_tiers_and_auto_wake(self) -> None:
@@ -947,6 +1082,67 @@ class IdleTests(_Harness):
         )
         self.serve(manager)
 
+    def test_first_start_arms_idle_timer(self) -> None:
+        """
+        No state file: each service is looked at once without waking it;
+        an awake one gets its idle timer and sleeps with no request at all.
+        """
+        text = self.fakes["text"]
+        self.fakes["embed"].force_sleep(1)
+        manager = self.manager(keep_checks=True)
+        self.assertEqual(
+            [s["state"] for s in manager.status()], ["awake"] * 2 + ["asleep"]
+        )
+        self.assertEqual(manager.status()[2]["sleep_depth"], "unknown")
+        self.advance(59.5)
+        self.assertEqual(text.state, EngineState.AWAKE)
+        self.advance(0.5)
+        self.assertEqual(text.sleep_level, 1)
+        self.assertEqual(
+            self.control("text"), [CHECK, ("POST", "/sleep?level=1&mode=wait")]
+        )
+        for name in ("ocr", "embed"):
+            self.assertEqual(self.control(name), [CHECK])
+
+    def test_failed_sleep_checked_until_settled(self) -> None:
+        """
+        A sleep that fails (the service went away) leaves the state
+        unknown; it is looked at again (no wake) on the first idle tier
+        until it answers, then the idle tiers apply again.
+        """
+        text = self.fakes["text"]
+        manager = self.manager()
+        self.serve(manager)
+        text.set_down()
+        self.advance(60)
+        self.assertEqual(manager.status()[0]["state"], "unknown")
+        self.advance(40)
+        self.successResultOf(text.set_up())
+        self.advance(20)  # the second look, at 120 s
+        self.assertEqual(manager.status()[0]["state"], "awake")
+        self.advance(60)
+        self.assertEqual(text.sleep_level, 1)
+        sleep = ("POST", "/sleep?level=1&mode=wait")
+        self.assertEqual(
+            self.control("text"), [WAKE[0], WAKE[-1], sleep, CHECK, CHECK, sleep]
+        )
+        self.assertEqual(text.wake_calls, 0)
+
+    def test_idle_timer_rearmed_at_request_end(self) -> None:
+        """The end of the last active request moves the idle timer."""
+        text = self.fakes["text"]
+        manager = self.manager()
+        self.serve(manager)
+        self.advance(10)
+        manager.request_started("text")
+        self.advance(20)
+        manager.request_finished("text")
+        self.assertEqual([c.getTime() for c in self.clock.getDelayedCalls()], [90.0])
+        self.advance(59.5)
+        self.assertEqual(text.state, EngineState.AWAKE)
+        self.advance(0.5)
+        self.assertEqual(text.state, EngineState.ASLEEP)
+
 
 class AdminTests(_Harness):
     def test_sleep_and_wake(self) -> None:
@@ -1009,7 +1205,7 @@ class AdminTests(_Harness):
                 "wake_in_progress": False,
             },
         )
-        self.assertEqual(manager.status()[1]["state"], "unknown")
+        self.assertEqual(manager.status()[1]["state"], "awake")  # startup check
         manager.request_finished("text")
 
     def test_routes(self) -> None:
@@ -1060,7 +1256,10 @@ class RestartTests(_Harness):
         self.advance(5)
         with open(f"{self.state_dir}/{STATE_FILE}") as f:
             saved = json.load(f)
-        self.assertEqual(saved["services"]["text"], {"intent": "waking", "level": None})
+        self.assertEqual(
+            saved["services"]["text"],
+            {"intent": "waking", "level": None, "reload_pending": True},
+        )
         first.stopService()
         self.failureResultOf(held, ManagerStopped)
         self.pump()
@@ -1085,22 +1284,85 @@ class RestartTests(_Harness):
         self.advance(1)
         self.assertTrue(second.is_awake("text"))
         self.assertEqual(self.fakes["text"].wake_sequences, 1)
-        self.assertEqual(self.fakes["embed"].calls, [])
+        self.assertEqual(self.control("embed"), [WAKE[0], WAKE[-1]])  # no wake
 
     def test_restart_keeps_depth(self) -> None:
         manager = self.manager(hold=VllmHold(sleeping=2, offloaded=50))
         self.serve(manager)
         self.successResultOf(manager.sleep("text", 1))
         manager.stopService()
-        second = self.manager(hold=VllmHold(sleeping=2, offloaded=50))
+        second = self.manager(hold=VllmHold(sleeping=2, offloaded=50), keep_checks=True)
         status = second.status()[0]
         self.assertEqual(
             (status["state"], status["sleep_depth"]), ("asleep", "sleeping")
         )
-        self.assertEqual(len(self.fakes["text"].calls), 4)  # no call at start
+        # one look at start (found asleep: the persisted level is the depth)
+        self.assertEqual(len(self.fakes["text"].calls), 5)
+        self.assertEqual(self.control("text")[-1], CHECK)
         # the level-2 tier still applies after the restart
         self.advance(180, step=1)
         self.assertEqual(self.fakes["text"].sleep_level, 2)
+
+    def test_restart_between_wake_up_and_reload(self) -> None:
+        """
+        nvproxy stops after /wake_up, before the reload (intent waking,
+        level 2): the new instance finds the service awake and still
+        reloads the weights before anything is forwarded.
+        """
+        text = self.fakes["text"]
+        text.force_sleep(2)
+        text.wake_latency = 20.0
+        first = self.manager()
+        held = first.ensure_awake("text")
+        self.advance(5)
+        first.stopService()
+        self.failureResultOf(held, ManagerStopped)
+        self.advance(20)  # the wake finishes at the service, nobody reloads
+        self.assertEqual(text.state, EngineState.AWAKE)
+        before = len(self.control("text"))
+        second = self.manager()
+        self.advance(1)
+        self.assertTrue(second.is_awake("text"))
+        self.serve(second)
+        self.assertEqual(self.control("text")[before:], RELOAD)
+        self.assertEqual(text.wake_sequences, 1)
+
+    def test_persisted_asleep_but_rebooted(self) -> None:
+        """
+        FD §6.6: a rebooted vLLM boots awake whatever we persisted; the
+        startup look finds it awake and its idle timer runs.
+        """
+        import os
+
+        os.makedirs(self.state_dir)
+        with open(f"{self.state_dir}/{STATE_FILE}", "w") as f:
+            json.dump(
+                {"version": 1, "services": {"text": {"intent": "asleep", "level": 2}}},
+                f,
+            )
+        manager = self.manager(keep_checks=True)
+        status = manager.status()[0]
+        self.assertEqual((status["state"], status["sleep_level"]), ("awake", None))
+        self.advance(60)
+        self.assertEqual(self.fakes["text"].sleep_level, 1)
+        self.assertEqual(
+            self.control("text"), [CHECK, ("POST", "/sleep?level=1&mode=wait")]
+        )
+
+    def test_restart_same_manager(self) -> None:
+        """stopService then startService again: fresh machines, recovered
+        from the state file like a new process."""
+        manager = self.manager()
+        self.serve(manager)
+        manager.stopService()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        manager.startService()
+        self.pump()
+        self.assertTrue(manager.is_awake("text"))
+        self.serve(manager)
+        self.successResultOf(manager.sleep("text", 1))
+        manager.stopService()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_unreadable_state_file(self) -> None:
         import os
@@ -1108,8 +1370,11 @@ class RestartTests(_Harness):
         os.makedirs(self.state_dir)
         with open(f"{self.state_dir}/{STATE_FILE}", "w") as f:
             f.write("{not json")
-        manager = self.manager()
-        self.assertEqual({s["state"] for s in manager.status()}, {"unknown"})
+        manager = self.manager(keep_checks=True)
+        # no intent to trust: each service is looked at once, not woken
+        self.assertEqual({s["state"] for s in manager.status()}, {"awake"})
+        for name in self.fakes:
+            self.assertEqual(self.control(name), [CHECK])
 
     def test_stop_mid_everything(self) -> None:
         """stopService cancels wakes, sleeps, holds and timers."""

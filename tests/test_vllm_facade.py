@@ -11,6 +11,7 @@ from typing import Any
 from attrs import evolve
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.task import deferLater
 
 from nvproxy.config import VllmHold, VllmServiceConfig
 from nvproxy.service import NvProxy
@@ -73,6 +74,17 @@ class VllmFacadeTests(ProxyTestCase):
         )
         proxy = await start_proxy(reactor, evolve(config, engines=engines))
         self.addCleanup(proxy.stopService)
+        # the startup look at each service (one GET /is_sleeping, no wake)
+        assert proxy.vllm is not None
+        for _ in range(200):
+            if all(s["state"] != "unknown" for s in proxy.vllm.status()):
+                break
+            await deferLater(reactor, 0.01, lambda: None)
+        for fake in (text, embed, ocr):
+            self.assertEqual(
+                [(m, p) for _, m, p in fake.calls], [("GET", "/is_sleeping")]
+            )
+            del fake.calls[:]
         return proxy, text, embed, ocr
 
     def admin(self, proxy: NvProxy) -> str:
@@ -264,7 +276,8 @@ class VllmFacadeTests(ProxyTestCase):
             [e.node_id for e in proxy.discovery.current.owners("vllm", "Qwen3-Text")],
             ["local", "gpu-2"],
         )
-        text.force_sleep(1)
+        assert proxy.vllm is not None
+        await proxy.vllm.sleep("text", 1)  # known asleep, as the idle timer does
         url = facade_url(proxy, "vllm") + "/v1/completions"
         code, _, _ = await self.post(url, {"model": "Qwen3-Text", "prompt": "x"})
         self.assertEqual(code, 200)
@@ -312,8 +325,9 @@ class VllmFacadeTests(ProxyTestCase):
         model goes only to an awake service: pollers keep nothing awake.
         """
         proxy, text, embed, ocr = await self.start()
-        for fake in (text, embed, ocr):
-            fake.force_sleep(1)
+        assert proxy.vllm is not None
+        for name in ("text", "embed", "ocr"):
+            await proxy.vllm.sleep(name, 1)  # known asleep, as the idle timer does
         url = facade_url(proxy, "vllm")
         code, _, body = await self.client.request("GET", url + "/health")
         self.assertEqual(code, 200)

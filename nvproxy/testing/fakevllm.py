@@ -270,6 +270,11 @@ class FakeVLLM:
       "model is sleeping").  The violation is recorded either way.
     * ``down_mode``: what ``set_down`` looks like: ``"refuse"`` (connections
       refused or dropped, a restarting container) or ``"503"``.
+    * ``rpc_failures``: the next N ``POST /collective_rpc`` answer 500 (the
+      weights stay unloaded); ``rpc_latency``: it answers after this long.
+    * ``answer_instead``: control route path -> the status it answers
+      instead of the real answer (``0``: the connection is dropped), e.g.
+      ``{"/is_sleeping": 503}`` or ``{"/health": 0}``.
     """
 
     clock: IReactorTime
@@ -286,6 +291,9 @@ class FakeVLLM:
     crash_on_request_while_asleep: bool = True
     hold_requests_while_asleep: bool = True
     down_mode: Literal["refuse", "503"] = "refuse"
+    rpc_failures: int = 0
+    rpc_latency: float = 0.0
+    answer_instead: dict[str, int] = attrs.field(factory=dict)
 
     calls: list[tuple[float, str, str]] = attrs.field(factory=list, init=False)
     """Every request received: (clock time, method, path with query)."""
@@ -305,6 +313,7 @@ class FakeVLLM:
     _drained: list[Deferred[None]] = attrs.field(factory=list, init=False)
     _exchanges: list[_Exchange] = attrs.field(factory=list, init=False)
     _counter: int = attrs.field(default=0, init=False)
+    _delayed: list[IDelayedCall] = attrs.field(factory=list, init=False)
     _resource: _Resource | None = attrs.field(default=None, init=False)
     _reactor: IReactorTCP | None = attrs.field(default=None, init=False)
     _port: IListeningPort | None = attrs.field(default=None, init=False)
@@ -423,6 +432,10 @@ class FakeVLLM:
         wake, self._wake = self._wake, None
         if wake is not None and wake.timer is not None and wake.timer.active():
             wake.timer.cancel()
+        delayed, self._delayed = self._delayed, []
+        for call in delayed:
+            if call.active():
+                call.cancel()
         for work in [*self._running, *self._held]:
             work.cancel_timer()
             work.finished = True
@@ -470,7 +483,13 @@ class FakeVLLM:
             "/reset_encoder_cache": ("POST", self._empty_ok),
         }
         route = routes.get(path)
-        if route is None:
+        instead = self.answer_instead.get(path)
+        if route is not None and instead is not None:
+            if instead == 0:
+                exchange.drop()
+            else:
+                exchange.json(instead, {"detail": f"scripted {instead}"})
+        elif route is None:
             exchange.json(404, {"detail": "Not Found"})
         elif route[0] != method and not (route[0] == "GET" and method == "HEAD"):
             exchange.json(405, {"detail": "Method Not Allowed"})
@@ -577,6 +596,22 @@ class FakeVLLM:
         method = body.get("method")
         if method is None:
             exchange.json(400, {"detail": "Missing 'method' in request body"})
+            return
+        if self.rpc_latency > 0:
+            self._delayed = [c for c in self._delayed if c.active()]
+            call = self.clock.callLater(self.rpc_latency, self._rpc, exchange, method)
+            self._delayed.append(call)
+        else:
+            self._rpc(exchange, method)
+
+    def _rpc(self, exchange: _Exchange, method: object) -> None:
+        if not exchange.open:
+            return
+        if self.rpc_failures > 0:
+            self.rpc_failures -= 1
+            exchange.json(
+                500, _error("rpc failed (scripted)", "InternalServerError", 500)
+            )
             return
         if method == "reload_weights" and "weights" not in self._sleeping_tags:
             self._weights_loaded = True

@@ -23,11 +23,17 @@ what its exits cancel)::
 
     state     [data]             input           -> next state
     unknown   -                  need            -> waking
-                                 restore(level)  -> asleep      (startup)
+                                 check           -> checking    (startup)
                                  begin_sleep     -> sleeping    (admin)
+    checking  [check op]         found_awake     -> awake       (idle timer armed)
+    (phase                       found_asleep    -> asleep      (known level kept)
+     unknown)                    check_failed    -> unknown     (no tier to retry on)
+                                 need            -> waking      (check cancelled)
+                                 begin_sleep     -> sleeping    (check cancelled)
     awake     [idle timer]       need            -> waking      (state_ttl passed:
                                                                  re-check)
                                  idle_due        -> awake | begin_sleep
+                                 quiet           -> awake       (timer re-armed)
                                  begin_sleep     -> sleeping
     asleep    [escalation timer] need            -> waking
                                  idle_due        -> asleep | begin_sleep(2)
@@ -36,13 +42,17 @@ what its exits cancel)::
                                  woke            -> awake       (holds released)
                                  wake_failed     -> asleep      (holds: WakeFailed)
                                  unreachable     -> down        (holds: WakeFailed)
+                                 recheck_failed  -> awake       (holds: WakeFailed)
     sleeping  [sleep op, reply]  need            -> sleeping    (woken after)
                                  slept(level)    -> asleep      (-> waking if held)
-                                 sleep_failed    -> unknown     (-> waking if held)
+                                 sleep_failed    -> unknown     (-> waking if held,
+                                                                 else -> checking)
     down      -                  need            -> waking
     any       ...                stop            -> stopped     (ops cancelled,
                                                                  timers cancelled,
                                                                  holds fail)
+
+    Inputs a state has no use for (check, quiet) are no-ops there.
 
     admin sleep(level): refused (409) in waking, sleeping, down, or with
     active requests; a no-op when already asleep at least that deep.
@@ -53,37 +63,61 @@ service, not to a state: they outlive the hop sleeping -> asleep -> waking.
 Decisions where FD and DESIGN are silent:
 
 * Freshness: an awake service is trusted without any HTTP call while the
-  evidence is at most C{state_ttl} old.  Evidence is a finished wake or check,
-  and every request that ends with an answer from the service below 500.  A
+  evidence is at most C{state_ttl} (default 10 s) old.  Evidence is a
+  finished wake or re-check, and every request that ends with an answer from
+  the service below 500 (the startup look is not: nobody asked for it).  A
   request after a longer quiet spell re-checks once (C{GET /is_sleeping},
   C{GET /health}) in case somebody slept the service directly (port 8001).
-  C{state_ttl=math.inf} never re-checks.
+  C{state_ttl=math.inf} never re-checks.  A re-check that fails while the
+  service has active requests does not make it down: like a failed request,
+  the held callers get L{WakeFailed}, it stays awake and the next request
+  checks again.
 * The wake sequence (FD §6.2 step 3) also polls C{/is_sleeping} after
   C{POST /wake_up} until it reports false, so a vLLM whose C{/wake_up}
   answers before the wake completes never gets C{reload_weights} too early.
   Every attempt starts with C{GET /is_sleeping} (FD §6.4): a service that
   is awake only has its C{/health} polled, a wake already running at the
-  service is joined (vLLM serializes C{/wake_up}), never doubled.
+  service is joined (vLLM serializes C{/wake_up}), never doubled.  A wake
+  sequence sets C{reload_pending} (persisted with the intent) before
+  C{POST /wake_up}; only a successful C{reload_weights} and
+  C{/reset_prefix_cache} clear it, and while it is set they run even when
+  C{/is_sleeping} says false (a retried attempt, or a new nvproxy, after a
+  wake that got past C{/wake_up}): never half-awake.
+* One attempt lasts at most C{wake_timeout}: each call gets what is left
+  of it, and the C{/is_sleeping} poll checks the deadline every pass (with
+  C{health_poll} between passes, also when C{/health} answers but
+  C{/is_sleeping} does not).  A sleep (with its escalation) likewise.
 * C{/is_sleeping} answering 404 (no dev mode) is read as "not sleeping".
 * Unreachable (connection refused, 502/503/504 from C{/is_sleeping}): the
-  depth becomes C{restarting} (holds are extended to 300 s), C{/health} is
-  polled until 200 for up to C{wake_timeout}; past that the service is
-  C{down} and the next request starts over.  A down service is not "retried
-  once": the poll is the retry.
+  depth becomes C{restarting} (holds are extended to 300 s) until the probe
+  ends, C{/health} is polled until 200 for up to C{wake_timeout}; past that
+  the service is C{down} and the next request starts over.  A down service
+  is not "retried once": the poll is the retry.
 * A failed wake attempt (error status, or not ready within C{wake_timeout})
   is retried once at once; then the held callers get L{WakeFailed} (a
   L{Waking}: the depth-aware 503 of FD §6.2.1) and the service is
   C{asleep} at the depth it had.
-* After an nvproxy restart a persisted depth is trusted (it came from our own
-  C{/sleep}); with no record the depth is unknown and counts as offloaded.
+* At startup a service with intent C{awake}/C{waking} is checked by a wake
+  attempt (FD §6.4); every other one gets one non-waking C{GET /is_sleeping}
+  (also after a failed sleep): awake -> C{awake} with its idle timer (a
+  rebooted vLLM boots awake whatever we persisted, FD §6.6), asleep ->
+  C{asleep} with the persisted level as its depth (none: unknown, counted
+  as offloaded).  Without an answer the look is repeated after the first
+  idle tier until it settles (no tier: it stays C{unknown}, the next request
+  wakes).  A pending reload found awake is finished by a wake.
+* L{VllmManager} may be started again after C{stopService}: it builds
+  fresh machines and recovers from the state file like a new process
+  (learned wake times are kept).
 * Level 1 -> 2 escalation sends C{POST /sleep?level=2} to the level-1
   sleeper.  If that answers an error, or with C{escalate_by_wake=True}, it
   wakes the service (C{/wake_up}, no reload) and sleeps it at level 2.
 * Admin sleep is refused (L{Refused}, 409) with active requests, while a
   wake or a sleep is in progress, and when the service is down; sleeping a
   service already asleep at that level or deeper is a no-op.
-* A completed wake (or re-check) restarts the idle clock, so a service
-  whose held callers gave up is not put back to sleep the moment it wakes.
+* A completed wake (or re-check, or startup look) restarts the idle clock,
+  so a service whose held callers gave up is not put back to sleep the
+  moment it wakes.  The end of the last active request re-arms the idle
+  timer from then.
   C{POST /sleep} always carries C{mode=wait}.
 * C{estimated_wake_seconds}: the last measured wake of that depth for that
   service (defaults 6 / 45 / 300 s) minus the time this wake has already

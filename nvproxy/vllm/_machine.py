@@ -91,8 +91,23 @@ class _Inputs(Protocol):
     def unreachable(self) -> None:
         "The service stayed unreachable for the whole wake attempt."
 
-    def restore(self, level: int | None) -> None:
-        "Startup: the persisted intent says asleep at C{level}."
+    def check(self) -> None:
+        "Look at the service without waking it (startup, after a failed sleep)."
+
+    def found_awake(self) -> None:
+        "The check found the service awake (and no reload pending)."
+
+    def found_asleep(self, level: int | None) -> None:
+        "The check found the service asleep; C{level} is the depth we know."
+
+    def check_failed(self) -> None:
+        "The check got no answer and there is no idle tier to retry it on."
+
+    def recheck_failed(self) -> None:
+        "Re-checking an awake service with active requests failed."
+
+    def quiet(self) -> None:
+        "The last active request ended: the idle clock restarts from it."
 
     def sleep(self, level: int, reply: Deferred[None] | None) -> None:
         "Admin asks for sleep at C{level}; validated by the state."
@@ -130,6 +145,11 @@ class _Core:
         self.phase = "unknown"
         self.level: int | None = None
         self.unreachable = False
+        # a wake sequence started and the weights are not reloaded yet:
+        # persisted, and reload + reset run even if /is_sleeping says false
+        self.reload_pending = False
+        # the running wake re-checks an awake service (state_ttl passed)
+        self.recheck = False
         self.active = 0
         self.last_activity = self.clock.seconds()
         self.verified_at = -math.inf
@@ -229,6 +249,13 @@ class _Core:
             return 2, config.idle_offload
         return None
 
+    def first_tier(self) -> float | None:
+        """The idle time of the first configured tier, or None."""
+        for idle in (self.config.idle_sleep, self.config.idle_offload):
+            if idle > 0:
+                return float(idle)
+        return None
+
     def arm(self, idle: _Idle) -> None:
         idle.cancel()
         tier = self.tier()
@@ -236,7 +263,7 @@ class _Core:
             return
         now = self.clock.seconds()
         if self.active > 0:
-            delay = tier[1]  # re-checked then; the end of a request moves it
+            delay = tier[1]  # re-checked then; the end of a request (quiet) moves it
         else:
             delay = max(0.0, self.last_activity + tier[1] - now)
         idle.timer = self.clock.callLater(delay, self.machine.idle_due)
@@ -252,6 +279,37 @@ class _Core:
 
     # -- operations ---------------------------------------------------------
 
+    def set_reload_pending(self, pending: bool) -> None:
+        if self.reload_pending != pending:
+            self.reload_pending = pending
+            self.manager.changed(self)
+
+    def start_check(self) -> _Op:
+        d = Deferred.fromCoroutine(self._check())
+
+        def ok(sleeping: bool | None) -> None:
+            if self.phase != "unknown":
+                return
+            if sleeping is None:
+                self.machine.check_failed()
+            elif sleeping:
+                self.machine.found_asleep(self.level)
+            elif self.reload_pending:
+                # woken but never reloaded (a wake cut short): finish it
+                self.machine.need()
+            else:
+                self.machine.found_awake()
+
+        def failed(f: Failure) -> None:
+            if f.check(CancelledError) or self.phase != "unknown":
+                return
+            log.failure("vLLM service check", f)
+            self.machine.check_failed()
+
+        d.addCallbacks(ok, failed)
+        d.addErrback(lambda f: log.failure("vLLM check bookkeeping", f))
+        return _Op(d)
+
     def start_wake(self) -> _Op:
         self.wake_started = self.clock.seconds()
         self.waking_from = None
@@ -263,6 +321,17 @@ class _Core:
 
         def failed(f: Failure) -> None:
             if f.check(CancelledError) or self.phase == "stopped":
+                return
+            if self.recheck and self.active > 0 and self.waking_from is None:
+                # it serves a request right now: like a failed request, not down
+                log.warn(
+                    "vLLM service {service} re-check failed with {active} active"
+                    " request(s); kept awake: {error}",
+                    service=self.name,
+                    active=self.active,
+                    error=f"{type(f.value).__name__}: {f.value}",
+                )
+                self.machine.recheck_failed()
                 return
             if f.check(_Unreachable):
                 log.warn(
@@ -308,6 +377,13 @@ class _Core:
         return _Op(d, reply)
 
     # -- the sleep API over treq -------------------------------------------
+
+    def _left(self, deadline: float, limit: float) -> float:
+        """The timeout of one call: C{limit}, but not past C{deadline}."""
+        left = deadline - self.clock.seconds()
+        if left <= 0:
+            raise _WakeError("the attempt's deadline passed")
+        return min(limit, left)
 
     async def _call(
         self, method: str, path: str, limit: float, body: object = None
@@ -380,20 +456,46 @@ class _Core:
 
     async def _probe(self, deadline: float) -> bool:
         """Whether it sleeps; waits out a down service until C{deadline}."""
-        while True:
-            try:
-                sleeping = await self._is_sleeping()
-            except _Transport:
-                if not self.unreachable:
-                    self.unreachable = True
-                    self.extend_holds()
-                    self.manager.changed(self)
-                await self._healthy(deadline)
-                continue
+        try:
+            while True:
+                try:
+                    return await self._is_sleeping()
+                except _Transport as e:
+                    if not self.unreachable:
+                        self.unreachable = True
+                        self.extend_holds()
+                        self.manager.changed(self)
+                    await self._healthy(deadline)
+                    # /health answers but /is_sleeping does not
+                    if self.clock.seconds() >= deadline:
+                        raise _WakeError(f"{e} until the deadline") from e
+                    await self._pause()
+        finally:
             if self.unreachable:
                 self.unreachable = False
                 self.manager.changed(self)
-            return sleeping
+
+    async def _check(self) -> bool | None:
+        """
+        One non-waking look: whether it sleeps.  Without an answer it looks
+        again after the first idle tier, or gives up (None) if there is none.
+        """
+        while True:
+            try:
+                return await self._is_sleeping()
+            except (_Transport, _WakeError) as e:
+                if self.phase != "unknown":
+                    raise CancelledError() from e
+                retry = self.first_tier()
+                log.info(
+                    "vLLM service {service} not checked ({error}); again in {retry}s",
+                    service=self.name,
+                    error=str(e),
+                    retry=retry,
+                )
+                if retry is None:
+                    return None
+                await deferLater(self.clock, retry, lambda: None)
 
     async def _wake(self) -> None:
         try:
@@ -411,6 +513,7 @@ class _Core:
     async def _wake_once(self) -> None:
         manager = self.manager
         deadline = self.clock.seconds() + manager.wake_timeout
+        left = self._left
         if await self._probe(deadline):
             depth = self.depth()
             self.waking_from = depth
@@ -420,24 +523,32 @@ class _Core:
                 service=self.name,
                 depth=depth.value,
             )
-            await self._expect("POST", "/wake_up", manager.wake_timeout)
+            self.set_reload_pending(True)
+            await self._expect("POST", "/wake_up", left(deadline, manager.wake_timeout))
             while await self._is_sleeping():
                 if self.clock.seconds() >= deadline:
                     raise _WakeError("still sleeping after /wake_up")
                 await self._pause()
+        if self.reload_pending:
+            # also when an earlier attempt (or nvproxy instance) got past
+            # /wake_up but not through the reload: never half-awake
             await self._expect(
                 "POST",
                 "/collective_rpc",
-                manager.wake_timeout,
+                left(deadline, manager.wake_timeout),
                 {"method": "reload_weights"},
             )
-            await self._expect("POST", "/reset_prefix_cache", manager.call_timeout)
+            await self._expect(
+                "POST", "/reset_prefix_cache", left(deadline, manager.call_timeout)
+            )
+            self.set_reload_pending(False)
         await self._healthy(deadline)
 
     async def _sleep(self, level: int, escalate: bool) -> int:
         timeout = self.manager.wake_timeout
+        deadline = self.clock.seconds() + timeout
         if escalate and self.manager.escalate_by_wake:
-            await self._resleep(level)
+            await self._resleep(level, deadline)
             return level
         code, _ = await self._call("POST", f"/sleep?level={level}&mode=wait", timeout)
         if code == 200:
@@ -450,13 +561,14 @@ class _Core:
             service=self.name,
             code=code,
         )
-        await self._resleep(level)
+        await self._resleep(level, deadline)
         return level
 
-    async def _resleep(self, level: int) -> None:
+    async def _resleep(self, level: int, deadline: float) -> None:
         timeout = self.manager.wake_timeout
-        await self._expect("POST", "/wake_up", timeout)
-        await self._expect("POST", f"/sleep?level={level}&mode=wait", timeout)
+        await self._expect("POST", "/wake_up", self._left(deadline, timeout))
+        path = f"/sleep?level={level}&mode=wait"
+        await self._expect("POST", path, self._left(deadline, timeout))
 
 
 def _refuse(reply: Deferred[None] | None, why: str) -> None:
@@ -498,6 +610,7 @@ def _awake_data(inputs: _Inputs, core: _Core) -> _Idle:
 def _asleep_data(inputs: _Inputs, core: _Core, level: int | None) -> _Idle:
     core.phase = "asleep"
     core.level = level
+    core.unreachable = False
     core.wake_started = None
     core.manager.changed(core)
     idle = _Idle()
@@ -505,7 +618,13 @@ def _asleep_data(inputs: _Inputs, core: _Core, level: int | None) -> _Idle:
     return idle
 
 
+def _checking_data(inputs: _Inputs, core: _Core) -> _Op:
+    # the phase stays "unknown" (status, persisted intent) while it looks
+    return core.start_check()
+
+
 def _waking_data(inputs: _Inputs, core: _Core) -> _Op:
+    core.recheck = core.phase == "awake"
     core.phase = "waking"
     core.manager.changed(core)
     return core.start_wake()
@@ -522,8 +641,17 @@ def _sleeping_data(
 
 awake = builder.state("awake", _awake_data)
 asleep = builder.state("asleep", _asleep_data)
+checking = builder.state("checking", _checking_data)
 waking = builder.state("waking", _waking_data)
 sleeping = builder.state("sleeping", _sleeping_data)
+
+
+def _cancel_idle(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    idle.cancel()
+
+
+def _cancel_op(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    op.deferred.cancel()
 
 
 # need: wake (or re-check) unless a wake is running or a sleep must finish.
@@ -531,21 +659,31 @@ unknown.upon(_Inputs.need).to(waking).returns(None)
 down.upon(_Inputs.need).to(waking).returns(None)
 waking.upon(_Inputs.need).loop().returns(None)
 sleeping.upon(_Inputs.need).loop().returns(None)
-
-
-@awake.upon(_Inputs.need).to(waking)
-def _recheck(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
-    idle.cancel()
-
-
-@asleep.upon(_Inputs.need).to(waking)
-def _wake_sleeper(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
-    idle.cancel()
+awake.upon(_Inputs.need).to(waking)(_cancel_idle)
+asleep.upon(_Inputs.need).to(waking)(_cancel_idle)
+checking.upon(_Inputs.need).to(waking)(_cancel_op)
 
 
 @stopped.upon(_Inputs.need).loop()
 def _need_stopped(inputs: _Inputs, core: _Core) -> None:
     core.release(ManagerStopped())
+
+
+# the check (startup, after a failed sleep): where is it, without waking it
+unknown.upon(_Inputs.check).to(checking).returns(None)
+for _state in (awake, asleep, checking, waking, sleeping, down, stopped):
+    _state.upon(_Inputs.check).loop().returns(None)
+
+
+@checking.upon(_Inputs.found_awake).to(awake)
+def _found_awake(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    # nobody asked: the first request still checks (someone may sleep it
+    # directly before that); the idle clock runs from now
+    core.verified_at = -math.inf
+
+
+checking.upon(_Inputs.found_asleep).to(asleep).returns(None)
+checking.upon(_Inputs.check_failed).to(unknown).returns(None)
 
 
 # the wake operation ends
@@ -567,7 +705,10 @@ def _unreachable(inputs: _Inputs, core: _Core, op: _Op) -> None:
     core.release(core.waking_error(failed=True))
 
 
-unknown.upon(_Inputs.restore).to(asleep).returns(None)
+@waking.upon(_Inputs.recheck_failed).to(awake)
+def _recheck_failed(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    core.verified_at = -math.inf  # the next request checks again
+    core.release(core.waking_error(failed=True))
 
 
 # admin sleep requests, validated by state
@@ -594,7 +735,6 @@ def _sleep_asleep(
         inputs.begin_sleep(level, reply)
 
 
-@unknown.upon(_Inputs.sleep).loop()
 def _sleep_unknown(
     inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
 ) -> None:
@@ -604,72 +744,53 @@ def _sleep_unknown(
         inputs.begin_sleep(level, reply)
 
 
-for _busy, _why in (
-    (waking, "a wake is in progress"),
-    (sleeping, "a sleep is in progress"),
+unknown.upon(_Inputs.sleep).loop()(_sleep_unknown)
+checking.upon(_Inputs.sleep, nodata=True).loop()(_sleep_unknown)
+
+
+def _refusing(why: str) -> Any:
+    def refuse(
+        inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
+    ) -> None:
+        _refuse(reply, why)
+
+    return refuse
+
+
+def _stopped_reply(
+    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
+) -> None:
+    if reply is not None:
+        reply.errback(ManagerStopped())
+
+
+for _state, _refusal in (
+    (waking, _refusing("a wake is in progress")),
+    (sleeping, _refusing("a sleep is in progress")),
 ):
-
-    def _make(why: str) -> Any:
-        def refuse(
-            inputs: _Inputs,
-            core: _Core,
-            op: _Op,
-            level: int,
-            reply: Deferred[None] | None,
-        ) -> None:
-            _refuse(reply, why)
-
-        return refuse
-
-    _busy.upon(_Inputs.sleep).loop()(_make(_why))
-    _busy.upon(_Inputs.begin_sleep).loop()(_make(_why))
-
-
-@down.upon(_Inputs.sleep).loop()
-def _sleep_down(
-    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
-) -> None:
-    _refuse(reply, "the service is down")
-
-
-@down.upon(_Inputs.begin_sleep).loop()
-def _begin_down(
-    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
-) -> None:
-    _refuse(reply, "the service is down")
-
-
-@stopped.upon(_Inputs.sleep).loop()
-def _sleep_stopped(
-    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
-) -> None:
-    if reply is not None:
-        reply.errback(ManagerStopped())
-
-
-@stopped.upon(_Inputs.begin_sleep).loop()
-def _begin_stopped(
-    inputs: _Inputs, core: _Core, level: int, reply: Deferred[None] | None
-) -> None:
-    if reply is not None:
-        reply.errback(ManagerStopped())
+    _state.upon(_Inputs.sleep, nodata=True).loop()(_refusal)
+    _state.upon(_Inputs.begin_sleep, nodata=True).loop()(_refusal)
+for _input in (_Inputs.sleep, _Inputs.begin_sleep):
+    down.upon(_input).loop()(_refusing("the service is down"))
+    stopped.upon(_input).loop()(_stopped_reply)
 
 
 # the sleep operation
-@awake.upon(_Inputs.begin_sleep).to(sleeping)
-def _begin_awake(
+def _begin_idle(
     inputs: _Inputs, core: _Core, idle: _Idle, level: int, reply: Deferred[None] | None
 ) -> None:
     idle.cancel()
 
 
-@asleep.upon(_Inputs.begin_sleep).to(sleeping)
-def _begin_asleep(
-    inputs: _Inputs, core: _Core, idle: _Idle, level: int, reply: Deferred[None] | None
+def _begin_checking(
+    inputs: _Inputs, core: _Core, op: _Op, level: int, reply: Deferred[None] | None
 ) -> None:
-    idle.cancel()
+    op.deferred.cancel()
 
 
+awake.upon(_Inputs.begin_sleep).to(sleeping)(_begin_idle)
+asleep.upon(_Inputs.begin_sleep).to(sleeping)(_begin_idle)
+checking.upon(_Inputs.begin_sleep).to(sleeping)(_begin_checking)
 unknown.upon(_Inputs.begin_sleep).to(sleeping).returns(None)
 
 
@@ -697,11 +818,12 @@ def _sleep_failed(inputs: _Inputs, core: _Core, op: _Op) -> None:
         op.reply.errback(error if isinstance(error, Exception) else Refused("failed"))
     if core.holds:
         inputs.need()
+    else:
+        inputs.check()  # awake or asleep? (the idle timer needs to know)
 
 
 # idle tiers
-@awake.upon(_Inputs.idle_due).loop()
-def _idle_awake(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+def _idle_due(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
     idle.timer = None
     level = core.idle_level()
     if level is None:
@@ -710,58 +832,41 @@ def _idle_awake(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
         inputs.begin_sleep(level, None)
 
 
-@asleep.upon(_Inputs.idle_due).loop()
-def _idle_asleep(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
-    idle.timer = None
-    level = core.idle_level()
-    if level is None:
-        core.arm(idle)
-    else:
-        inputs.begin_sleep(level, None)
+def _rearm(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    core.arm(idle)
+
+
+for _state in (awake, asleep):
+    _state.upon(_Inputs.idle_due).loop()(_idle_due)
+    _state.upon(_Inputs.quiet).loop()(_rearm)
+for _state in (unknown, checking, waking, sleeping, down, stopped):
+    _state.upon(_Inputs.quiet).loop().returns(None)
 
 
 # stop
-def _stop_common(core: _Core) -> None:
+def _stop(inputs: _Inputs, core: _Core) -> None:
     core.phase = "stopped"
     core.release(ManagerStopped())
 
 
-@awake.upon(_Inputs.stop).to(stopped)
-def _stop_awake(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+def _stop_idle(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
     idle.cancel()
-    _stop_common(core)
+    _stop(inputs, core)
 
 
-@asleep.upon(_Inputs.stop).to(stopped)
-def _stop_asleep(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
-    idle.cancel()
-    _stop_common(core)
-
-
-@waking.upon(_Inputs.stop).to(stopped)
-def _stop_waking(inputs: _Inputs, core: _Core, op: _Op) -> None:
-    _stop_common(core)
-    op.deferred.cancel()
-
-
-@sleeping.upon(_Inputs.stop).to(stopped)
-def _stop_sleeping(inputs: _Inputs, core: _Core, op: _Op) -> None:
-    _stop_common(core)
+def _stop_op(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    _stop(inputs, core)
     op.deferred.cancel()
     if op.reply is not None and not op.reply.called:
         op.reply.errback(ManagerStopped())
 
 
-@unknown.upon(_Inputs.stop).to(stopped)
-def _stop_unknown(inputs: _Inputs, core: _Core) -> None:
-    _stop_common(core)
-
-
-@down.upon(_Inputs.stop).to(stopped)
-def _stop_down(inputs: _Inputs, core: _Core) -> None:
-    _stop_common(core)
-
-
+for _state in (unknown, down):
+    _state.upon(_Inputs.stop).to(stopped)(_stop)
+for _state in (awake, asleep):
+    _state.upon(_Inputs.stop).to(stopped)(_stop_idle)
+for _state in (checking, waking, sleeping):
+    _state.upon(_Inputs.stop).to(stopped)(_stop_op)
 stopped.upon(_Inputs.stop).loop().returns(None)
 
 _ServiceMachine = builder.build()

@@ -101,13 +101,13 @@ class VllmManager(Service):
 
     @param http: the control-plane treq client (every call to a service).
     @param state_ttl: how long evidence that a service is awake is trusted
-        without asking it again.
+        without asking it again (the re-check holds the request).
     @param health_poll: the interval of C{/health} and C{/is_sleeping} polls.
     @param call_timeout: the timeout of short calls (C{/is_sleeping},
         C{/health}, C{/reset_prefix_cache}).
-    @param wake_timeout: the timeout of C{/wake_up}, C{/collective_rpc} and
-        C{/sleep}, and the deadline of one wake attempt (health polls
-        included, also while the service is down).
+    @param wake_timeout: the deadline of one wake attempt (health polls
+        included, also while the service is down) and of one sleep; each
+        call of it gets at most what is left.
     @param escalate_by_wake: offload a level-1 sleeper by waking it and
         sleeping it at level 2, rather than C{/sleep?level=2} directly.
     @param metrics: where to register Prometheus metrics, if anywhere.
@@ -121,7 +121,7 @@ class VllmManager(Service):
         clock: IReactorTime,
         state_dir: str,
         *,
-        state_ttl: float = 1.0,
+        state_ttl: float = 10.0,
         health_poll: float = 0.5,
         call_timeout: float = 10.0,
         wake_timeout: float = 600.0,
@@ -141,10 +141,19 @@ class VllmManager(Service):
         self._path = os.path.join(state_dir, STATE_FILE)
         self._written: bytes | None = None
         self._stopping = False
+        self._started = False
         self._cores: dict[str, _Core] = {}
+        self._build()
+
+    def _build(self) -> None:
+        """One fresh machine per service (learned wake times carry over)."""
+        old = self._cores
+        self._cores = {}
         for service in self.registry.services:
             core = _Core(self, service)
             core.machine = _ServiceMachine(core)
+            if service.name in old:
+                core.observed = old[service.name].observed
             self._cores[service.name] = core
 
     def _core(self, name: str) -> _Core:
@@ -156,7 +165,14 @@ class VllmManager(Service):
     # -- lifecycle ----------------------------------------------------------
 
     def startService(self) -> None:
+        """
+        Start (or restart after L{stopService}): a restart builds fresh
+        machines and recovers from the state file as a new process would.
+        """
         super().startService()  # type: ignore[no-untyped-call]
+        if self._started:
+            self._build()
+        self._started = True
         self._stopping = False
         self._recover()
 
@@ -167,15 +183,23 @@ class VllmManager(Service):
             core.machine.stop()
 
     def _recover(self) -> None:
-        """FD §6.4: bring services we were keeping awake back to a known state."""
+        """
+        FD §6.4: bring services we were keeping awake back to a known state;
+        look at every other one once (C{GET /is_sleeping}, no wake): a
+        rebooted vLLM boots awake whatever we persisted (FD §6.6), and an
+        awake service needs its idle timer.  A persisted level is only the
+        depth if it is found asleep.
+        """
         saved = self._load()
         for name, core in self._cores.items():
-            entry = saved.get(name)
-            if not isinstance(entry, dict) or core.phase != "unknown":
+            if core.phase != "unknown":
                 continue
+            entry = saved.get(name)
+            if not isinstance(entry, dict):
+                entry = {}
             intent = entry.get("intent")
             level = entry.get("level")
-            level = level if level in (1, 2) else None
+            core.reload_pending = entry.get("reload_pending") is True
             if intent in ("awake", "waking"):
                 log.info(
                     "vLLM service {service} was {intent}: checking it",
@@ -183,8 +207,9 @@ class VllmManager(Service):
                     intent=intent,
                 )
                 core.machine.need()
-            elif intent in ("asleep", "sleeping"):
-                core.machine.restore(level)
+            else:
+                core.level = level if level in (1, 2) else None
+                core.machine.check()
 
     def _load(self) -> dict[str, Any]:
         try:
@@ -213,7 +238,11 @@ class VllmManager(Service):
         services: dict[str, dict[str, Any]] = {}
         for name, c in self._cores.items():
             level = c.sleep_target if c.phase == "sleeping" else c.level
-            services[name] = {"intent": c.phase, "level": level}
+            services[name] = {
+                "intent": c.phase,
+                "level": level,
+                "reload_pending": c.reload_pending,
+            }
         data = json.dumps({"version": 1, "services": services}, sort_keys=True)
         raw = data.encode()
         if raw == self._written:
@@ -263,6 +292,8 @@ class VllmManager(Service):
             core.verified_at = -math.inf
         elif core.phase == "awake":
             core.verified_at = now
+        if core.active == 0:
+            core.machine.quiet()  # the idle timer runs from now
 
     def is_awake(self, name: str) -> bool:
         return self._core(name).phase == "awake"
