@@ -24,6 +24,25 @@ from tests.test_forwarding import ProxyTestCase
 NODES = ("node-a", "node-b", "node-c")
 
 
+async def start_node(
+    case: ProxyTestCase, root: str, node: str, port: int
+) -> tuple[FakeEngine, NvProxy]:
+    """
+    Node C{node}: a fake Ollama engine serving C{node:latest}, and nvproxy
+    with its Ollama facade on C{port} and the cluster dir C{root/node}.
+    """
+    fake = await case.engine("ollama", [f"{node}:latest"])
+    config = proxy_config(os.path.join(root, node + "-state"), {"ollama": fake.url})
+    engines = dict(config.engines)
+    engines["ollama"] = evolve(engines["ollama"], port=port)
+    config = evolve(
+        config, node_id=node, cluster_dir=os.path.join(root, node), engines=engines
+    )
+    proxy = await start_proxy(reactor, config)
+    case.addCleanup(proxy.stopService)
+    return fake, proxy
+
+
 class ClusterTests(ProxyTestCase):
     async def cluster(self) -> tuple[dict[str, NvProxy], dict[str, FakeEngine]]:
         """
@@ -48,22 +67,7 @@ class ClusterTests(ProxyTestCase):
         fakes = {}
         proxies = {}
         for node in NODES:
-            fake = await self.engine("ollama", [f"{node}:latest"])
-            fakes[node] = fake
-            config = proxy_config(
-                os.path.join(root, node + "-state"), {"ollama": fake.url}
-            )
-            engines = dict(config.engines)
-            engines["ollama"] = evolve(engines["ollama"], port=ports[node])
-            config = evolve(
-                config,
-                node_id=node,
-                cluster_dir=os.path.join(root, node),
-                engines=engines,
-            )
-            proxy = await start_proxy(reactor, config)
-            self.addCleanup(proxy.stopService)
-            proxies[node] = proxy
+            fakes[node], proxies[node] = await start_node(self, root, node, ports[node])
         # Every node polls its peers once the others are listening.
         for proxy in proxies.values():
             await proxy.polling.poll()
@@ -157,22 +161,7 @@ class JoinTests(ProxyTestCase):
         proxies = {}
         fakes = {}
         for node in dirs:
-            fake = await self.engine("ollama", [f"{node}:latest"])
-            fakes[node] = fake
-            config = proxy_config(
-                os.path.join(root, node + "-state"), {"ollama": fake.url}
-            )
-            engines = dict(config.engines)
-            engines["ollama"] = evolve(engines["ollama"], port=ports[node])
-            config = evolve(
-                config,
-                node_id=node,
-                cluster_dir=os.path.join(root, node),
-                engines=engines,
-            )
-            proxy = await start_proxy(reactor, config)
-            self.addCleanup(proxy.stopService)
-            proxies[node] = proxy
+            fakes[node], proxies[node] = await start_node(self, root, node, ports[node])
         fingerprint_a = dirs["node-a"].init("node-a", reactor).fingerprint
         dirs["node-a"].add_peer(
             Peer("node-b", "127.0.0.1", fingerprint_b, {"ollama": ports["node-b"]})
