@@ -126,7 +126,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except CtlError as e:
         print(f"nvproxyctl: {e}", file=sys.stderr)
         return 2
-    from twisted.internet import reactor
     from twisted.internet.task import react
 
     result: list[int] = []
@@ -161,7 +160,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except SystemExit as e:
         if e.code not in (0, None):
             return int(e.code) if isinstance(e.code, int) else 1
-    del reactor
     return result[0] if result else 1
 
 

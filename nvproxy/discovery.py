@@ -12,7 +12,6 @@ advertising until it answers again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -291,7 +290,3 @@ def _short(reason: Any) -> str:
     value = getattr(reason, "value", reason)
     text = f"{type(value).__name__}: {value}"
     return text[:200]
-
-
-def decode_json(body: bytes) -> Any:
-    return json.loads(body)

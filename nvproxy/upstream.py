@@ -223,15 +223,17 @@ class EndpointFactory:
                     self._reactor, host, port, timeout=self._timeout, attemptDelay=0
                 )
             return cached
-        endpoint: IStreamClientEndpoint = HostnameEndpoint(
-            self._reactor, host, port, timeout=self._timeout, attemptDelay=0
+        # https: the creator may change with the cluster's pins, so the
+        # endpoint is built for each new connection.
+        creator = self._tls_for(host, port) if self._tls_for else None
+        if creator is None:
+            creator = optionsForClientTLS(host)
+        return wrapClientTLS(
+            creator,
+            HostnameEndpoint(
+                self._reactor, host, port, timeout=self._timeout, attemptDelay=0
+            ),
         )
-        if uri.scheme == b"https":
-            creator = self._tls_for(host, port) if self._tls_for else None
-            if creator is None:
-                creator = optionsForClientTLS(host)
-            endpoint = wrapClientTLS(creator, endpoint)
-        return endpoint
 
 
 class _QuietClientFactory(_HTTP11ClientFactory):
