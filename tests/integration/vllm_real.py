@@ -33,7 +33,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 # twisted and nvproxy are imported where used: the setup script runs this
@@ -268,12 +267,12 @@ class VllmServer:
         from nvproxy.testing.harness import Client
 
         client = Client(reactor, persistent=False)
-        started = time.monotonic()
+        started = reactor.seconds()
         try:
             while True:
                 if not self.alive:
                     raise VllmServerFailed(f"vLLM exited:\n{self.tail()}")
-                if time.monotonic() - started > timeout:
+                if reactor.seconds() - started > timeout:
                     raise VllmServerFailed(
                         f"vLLM not healthy after {timeout} s:\n{self.tail()}"
                     )
@@ -283,7 +282,7 @@ class VllmServer:
                     response = await d
                     await response.content()
                     if response.code == 200:
-                        self.started_in = time.monotonic() - started
+                        self.started_in = reactor.seconds() - started
                         return
                 except Exception:
                     pass  # not listening yet
