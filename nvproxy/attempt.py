@@ -19,6 +19,7 @@ producer on the client request, so a slow client pauses the upstream read.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from enum import Enum, auto
 from typing import Any
@@ -116,6 +117,30 @@ class ClientSide:
         else:
             self.request.loseConnection()
 
+    def cut(self, frame: bytes | None, clock: IReactorTime) -> None:
+        """
+        End a committed answer that cannot be completed, telling the client
+        so: C{frame} (the stream dialect's error event, if there is one) is
+        written, then the connection is closed without the rest of the body
+        (no last chunk, or fewer bytes than the Content-Length), so the
+        client's HTTP layer sees the body cut too.  What was already relayed
+        is flushed first; a client that does not take it within
+        L{CUT_GRACE} seconds is reset.
+        """
+        if self.gone or self.request.finished:
+            return
+        self.aborted = True
+        if frame is not None:
+            self.request.write(frame)
+        transport = getattr(getattr(self.request, "channel", None), "transport", None)
+        if transport is None:
+            self.request.loseConnection()
+            return
+        transport.loseConnection()
+        if hasattr(transport, "abortConnection"):
+            reset = clock.callLater(CUT_GRACE, transport.abortConnection)
+            self.closed.addBoth(lambda _: reset.cancel() if reset.active() else None)
+
     def reject(
         self,
         status: int,
@@ -139,6 +164,37 @@ class ClientSide:
             )
         request.write(body)
         request.finish()
+
+
+CUT_GRACE = 5.0
+"""Seconds a cut stream's client may take to read the error frame."""
+
+TRUNCATED_MESSAGE = "the upstream connection ended before the response was complete"
+IDLE_MESSAGE = "the upstream sent nothing for longer than the stream idle timeout"
+
+_NDJSON = frozenset(
+    {b"application/x-ndjson", b"application/ndjson", b"application/jsonl"}
+)
+
+
+def error_frame(
+    content_type: bytes | None, message: str, at_line_start: bool = True
+) -> bytes | None:
+    """
+    The error event that ends a cut stream in its own framing, so SDKs
+    raise instead of silently stopping: SSE (OpenAI and llama.cpp)
+    C{data: {"error": {...}}}, NDJSON (Ollama) an C{{"error": "..."}} line;
+    C{None} for a body that is not a stream of events.  An SSE frame starts
+    with a blank line, which ends a partial event and is otherwise ignored.
+    """
+    kind = (content_type or b"").split(b";", 1)[0].strip().lower()
+    if kind == b"text/event-stream":
+        error = {"message": message, "type": "server_error", "code": "upstream_cut"}
+        return b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
+    if kind in _NDJSON:
+        line = json.dumps({"error": message}).encode() + b"\n"
+        return line if at_line_start else b"\n" + line
+    return None
 
 
 class _State(Enum):
@@ -202,10 +258,13 @@ class HttpAttempt:
         cooperator: Any,
         meter: StatsMeter | None = None,
         on_failure: Callable[[str], None] | None = None,
+        stream_idle_timeout: float = 0.0,
     ) -> None:
         self.node_id = node_id
         self._meter = meter
         self._on_failure = on_failure
+        self._idle_timeout = stream_idle_timeout
+        self._last_chunk = 0.0
         self.result: Deferred[Committed | AttemptFailed] = Deferred()
         self._clock = clock
         self._client = client
@@ -274,14 +333,14 @@ class HttpAttempt:
     def _headers(self, response: IResponse) -> None:
         self._pending = None  # nothing left to cancel at this stage
         if self._state is not _State.WAITING_HEADERS:
-            _discard(response)
+            _discard(response, self._clock)
             return
         self._stop_timer()
         status = response.code
         if not self._final and is_retryable_status(status, self._inference):
             self._claim(_State.FAILED)
             self._fail(FailureKind.STATUS, status)
-            _discard(response)
+            _discard(response, self._clock)
             return
         self._claim(_State.GATED)
         self._response = response
@@ -334,6 +393,19 @@ class HttpAttempt:
                 feed(data)
 
             write = relay
+        if self._idle_timeout > 0:
+            # dispatch.stream_idle_timeout: one clock read per chunk, and a
+            # timer that re-arms itself from the last chunk's time.
+            seconds = self._clock.seconds
+            stamped = write
+
+            def timed(data: bytes) -> None:
+                self._last_chunk = seconds()
+                stamped(data)
+
+            write = timed
+            self._last_chunk = seconds()
+            self._timer = self._clock.callLater(self._idle_timeout, self._idle_check)
         # Register before the first write: a write that fills the client's
         # buffer pauses only a producer registered already.
         client.request.registerProducer(gate.transport, True)
@@ -356,14 +428,38 @@ class HttpAttempt:
             self._end(StreamEnd.COMPLETE if clean else StreamEnd.TRUNCATED)
             return
 
-    def _end(self, how: StreamEnd) -> None:
+    def _idle_check(self) -> None:
+        self._timer = None
+        if self._state is not _State.COMMITTED:
+            return
+        due = self._last_chunk + self._idle_timeout
+        now = self._clock.seconds()
+        if now < due:
+            self._timer = self._clock.callLater(due - now, self._idle_check)
+            return
+        log.info(
+            "upstream {node} sent nothing for {seconds}s: stream cut",
+            node=self.node_id,
+            seconds=self._idle_timeout,
+        )
+        self._stop_upstream()
+        self._end(StreamEnd.TRUNCATED, IDLE_MESSAGE)
+
+    def _end(self, how: StreamEnd, why: str = TRUNCATED_MESSAGE) -> None:
         self._claim(_State.ENDED)
+        self._stop_timer()
         self._unregister()
         if how is StreamEnd.COMPLETE:
             self._client.finish()
         else:
             log.debug("upstream {node} ended mid-stream", node=self.node_id)
-            self._client.abort()
+            response = self._response
+            assert response is not None
+            types = response.headers.getRawHeaders(b"content-type")
+            meter = self._meter
+            at_line_start = meter.at_line_start if meter is not None else True
+            frame = error_frame(types[0] if types else None, why, at_line_start)
+            self._client.cut(frame, self._clock)
         if not self._done.called:
             self._done.callback(how)
 
@@ -412,20 +508,55 @@ class HttpAttempt:
             self.result.callback(AttemptFailed(self.node_id, FailureKind.TRANSPORT))
 
 
-def _discard(response: IResponse) -> None:
+DRAIN_LIMIT = 64 * 1024
+"""Bytes of a discarded response read to keep its connection for reuse."""
+
+DRAIN_TIMEOUT = 5.0
+"""Seconds a discarded response may take to end before its connection closes."""
+
+
+class _Drain(Protocol):
     """
-    Throw away a response we will not relay; the connection is closed rather
-    than drained, since the body may be long.
+    Reads and drops a response we will not relay.  A short body (an error
+    document) is read to its end, so the connection goes back to the pool
+    whole; a long or slow one is stopped, and the pool never hands out a
+    connection being closed (L{nvproxy.upstream.ProxyPool}).  Stopping is
+    never done from the response callback itself: the rest of the response
+    may be in the same socket read, and would complete it after the stop.
     """
 
-    class _Discard(Protocol):
-        def connectionMade(self) -> None:
+    def __init__(self, clock: IReactorTime) -> None:
+        self._left = DRAIN_LIMIT
+        self._clock = clock
+        self._timer: IDelayedCall | None = None
+
+    def connectionMade(self) -> None:
+        self._timer = self._clock.callLater(DRAIN_TIMEOUT, self._stop)
+
+    def dataReceived(self, data: bytes) -> None:
+        self._left -= len(data)
+        if self._left < 0:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._cancel()
+        if self.transport is not None:
             IPushProducer(self.transport).stopProducing()
 
-        def connectionLost(self, reason: Failure = _DONE) -> None:
-            pass
+    def _cancel(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
 
-    response.deliverBody(_Discard())
+    def connectionLost(self, reason: Failure = _DONE) -> None:
+        self._cancel()
+
+
+def _discard(response: IResponse, clock: IReactorTime) -> None:
+    """
+    Throw away a response we will not relay (see L{_Drain}).
+    """
+    response.deliverBody(_Drain(clock))
 
 
 def _describe(reason: Failure, timed_out: bool) -> str:

@@ -273,6 +273,13 @@ class DispatchConfig:
     @ivar response_header_timeout: the wait for response headers and, once
         they arrived, for the first body byte; C{0} disables both.
     @ivar backoff: waits between resolution rounds; the last repeats.
+    @ivar stream_idle_timeout: after commit, the longest silence between two
+        chunks from the upstream before the stream is cut (with the
+        dialect's error frame); C{0} (the default) never cuts.
+    @ivar eject_base: how long a node's engine is ordered last after a
+        transport failure (L{nvproxy.outliers}); C{0} disables ejection.
+    @ivar eject_max: the longest ejection; each one in a row doubles the
+        previous up to it.
     """
 
     max_attempts: int = 5
@@ -737,6 +744,8 @@ def _dispatch(table: dict[str, object], overrides: _Overrides) -> DispatchConfig
         result = attrs.evolve(
             result, response_header_timeout=_duration(value, zero=True)
         )
+    if value := _get(table, "dispatch", "stream_idle_timeout"):
+        result = attrs.evolve(result, stream_idle_timeout=_duration(value, zero=True))
     if value := _get(table, "dispatch", "backoff"):
         steps = tuple(_duration(item, zero=True) for item in _items(value))
         if not steps:

@@ -69,10 +69,12 @@ class HttpTarget:
         cooperator: Any,
         meter: StatsMeter | None = None,
         on_failure: Callable[[str], None] | None = None,
+        stream_idle_timeout: float = 0.0,
     ) -> None:
         self.node_id = node_id
         self._meter = meter
         self._on_failure = on_failure
+        self._idle_timeout = stream_idle_timeout
         self._url = url
         self._agent = agent
         self._clock = clock
@@ -94,6 +96,7 @@ class HttpTarget:
             cooperator=self._cooperator,
             meter=self._meter,
             on_failure=self._on_failure,
+            stream_idle_timeout=self._idle_timeout,
         )
 
 
@@ -137,8 +140,10 @@ class Facade:
         peer_of: Callable[[Any], str | None] | None = None,
         local: Callable[[str | None], Endpoint | None] | None = None,
         vllm: VllmManager | None = None,
+        stream_idle_timeout: float = 0.0,
     ) -> None:
         self.engine = engine
+        self._idle_timeout = stream_idle_timeout
         self._discovery = discovery
         self._dispatcher = dispatcher
         self._agent = agent
@@ -495,6 +500,7 @@ class Facade:
             cooperator=self._cooperator,
             meter=accounting.meter,
             on_failure=accounting.failed_attempt,
+            stream_idle_timeout=self._idle_timeout,
         )
 
     # -- inventory --------------------------------------------------------

@@ -139,6 +139,11 @@ class StatsMeter:
     def total_bytes(self) -> int:
         return self._total
 
+    @property
+    def at_line_start(self) -> bool:
+        """Whether the body so far ends with a newline (or is empty)."""
+        return self._carry.endswith(b"\n")
+
     def started(self) -> None:
         """
         Mark the reference time for time to first token.  nvproxy calls it

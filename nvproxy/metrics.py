@@ -155,6 +155,9 @@ class RequestMetrics:
     def finished(self, outcome: JobOutcome) -> None:
         metrics = self._metrics
         metrics.inflight.labels(self._engine).dec()
-        metrics.requests.labels(self._engine, self._route, outcome.state).inc()
+        # A committed stream cut short is its own outcome (its workload
+        # state stays "completed", spec §1.1).
+        label = "truncated" if outcome.reason == "truncated" else outcome.state
+        metrics.requests.labels(self._engine, self._route, label).inc()
         elapsed = self._clock.seconds() - self._started
         metrics.duration.labels(self._engine).observe(elapsed)

@@ -479,6 +479,7 @@ class NvProxy(MultiService):
             inventory=self.inventory_client,
             clock=self.reactor,
             response_timeout=self.config.dispatch.response_header_timeout,
+            stream_idle_timeout=self.config.dispatch.stream_idle_timeout,
             cooperator=self.upstream.cooperator,
             accounting=self.accounting,
             peer_of=self._peer_of,

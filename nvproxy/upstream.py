@@ -15,8 +15,15 @@ from typing import IO, Any
 
 import treq
 from treq.client import HTTPClient
+from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.endpoints import (
+    HostnameEndpoint,
+    TCP4ClientEndpoint,
+    TCP6ClientEndpoint,
+    wrapClientTLS,
+)
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import (
     IConsumer,
     IOpenSSLClientConnectionCreator,
@@ -25,6 +32,12 @@ from twisted.internet.interfaces import (
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import Cooperator, TaskDone, TaskStopped
 from twisted.python.failure import Failure
+from twisted.web._newclient import (
+    HTTP11ClientProtocol,
+    RequestNotSent,
+    RequestTransmissionFailed,
+    ResponseNeverReceived,
+)
 from twisted.web.client import (
     Agent,
     HTTPConnectionPool,
@@ -242,6 +255,116 @@ class _QuietClientFactory(_HTTP11ClientFactory):
     noisy = False
 
 
+def _stale(failure: Failure) -> bool:
+    """
+    Whether a request on a reused connection failed only because the engine
+    had closed that connection: nothing was sent, or the engine's clean
+    close (FIN) came before a single byte of response — the race between
+    an engine's keep-alive close and our next request.  A reset (an engine
+    that took the request and dropped it) and our own timeouts and
+    cancellations (C{CancelledError}) never count.
+    """
+    exception = failure.value
+    if isinstance(exception, RequestNotSent):
+        return True
+    if not isinstance(exception, (RequestTransmissionFailed, ResponseNeverReceived)):
+        return False
+    reasons = exception.reasons
+    return bool(reasons) and all(
+        reason.check(ConnectionDone) is not None for reason in reasons
+    )
+
+
+class _Reused:
+    """
+    A pooled connection handed out again.  Twisted retries a request that
+    failed on a stale pooled connection only for idempotent methods without
+    a body; inference is a POST with one.  Our body producers restart from
+    the beginning, and an HTTP/1.1 engine closes a keep-alive connection only
+    between requests, so a request that found the connection closed under it
+    is sent once more on a new connection, inside the same attempt (it costs
+    no dispatch: the engine never saw it).
+
+    From outside, an engine that closes cleanly right after reading a
+    request looks the same, so only a connection that sat idle for at least
+    L{ProxyPool.stale_idle} seconds qualifies: engines close idle keep-alive
+    connections after seconds (uvicorn and llama-server: 5 s), never within
+    milliseconds of the last answer.
+    """
+
+    def __init__(
+        self,
+        connection: HTTP11ClientProtocol,
+        new: Callable[[], Deferred[HTTP11ClientProtocol]],
+    ) -> None:
+        self._connection = connection
+        self._new = new
+
+    def request(self, request: Any) -> Deferred[Any]:
+        d: Deferred[Any] = self._connection.request(request)
+
+        def failed(reason: Failure) -> Deferred[Any] | Failure:
+            if not _stale(reason):
+                return reason
+            again: Deferred[Any] = self._new().addCallback(
+                lambda connection: connection.request(request)
+            )
+            return again
+
+        return d.addErrback(failed)
+
+
+class ProxyPool(HTTPConnectionPool):
+    """
+    The shared persistent pool, with one rule Twisted's lacks: a connection
+    whose transport is already being closed is never handed out again.
+
+    An attempt that abandons a response stops its transport; when the rest
+    of that response was in the same socket read, the response still
+    completes, and Twisted puts the connection back in the pool before the
+    close takes effect.  Handing it to the next request would send that
+    request down a connection that is about to close: the engine receives
+    it and answers, and the attempt fails as a transport error anyway.
+    """
+
+    retryAutomatically = False  # L{_Reused} retries, with our rule
+    stale_idle = 1.0
+    """Seconds idle in the pool before a closed connection counts as stale."""
+
+    def __init__(self, reactor: Any, persistent: bool = True) -> None:
+        super().__init__(reactor, persistent)  # type: ignore[no-untyped-call]
+
+    def closeCachedConnections(self) -> Deferred[None]:
+        closed: Deferred[None] = super().closeCachedConnections()  # type: ignore[no-untyped-call]
+        return closed
+
+    def getConnection(self, key: Any, endpoint: IStreamClientEndpoint) -> Deferred[Any]:
+        # HTTPConnectionPool.getConnection, plus the closing check; it keeps
+        # the pool's own bookkeeping (_connections, _timeouts).
+        connections = self._connections.get(key)
+        while connections:
+            connection = connections.pop(0)
+            expiry = self._timeouts.pop(connection)
+            expiry.cancel()
+            transport = connection.transport
+            if (
+                connection.state != "QUIESCENT"
+                or transport is None
+                or getattr(transport, "disconnecting", False)
+            ):
+                continue
+            idle = self._reactor.seconds() - (
+                expiry.getTime() - self.cachedConnectionTimeout
+            )
+            if idle < self.stale_idle:
+                return succeed(connection)
+            return succeed(
+                _Reused(connection, lambda: self._newConnection(key, endpoint))
+            )
+        fresh: Deferred[Any] = self._newConnection(key, endpoint)
+        return fresh
+
+
 class Upstream:
     """
     The shared pool, the data-path agent and the control-path treq client.
@@ -255,7 +378,7 @@ class Upstream:
         | None = None,
         max_per_host: int = 256,
     ) -> None:
-        self.pool = HTTPConnectionPool(reactor, persistent=True)
+        self.pool = ProxyPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
         self.pool.cachedConnectionTimeout = 120
         self.pool._factory = _QuietClientFactory

@@ -57,6 +57,8 @@ WorkloadState = Literal["queued", "running", "completed", "failed", "cancelled"]
 SUBMITTED = "workload:submitted"
 STARTED = "workload:started"
 COMPLETED = "workload:completed"
+TRUNCATED = "truncated"
+"""The outcome reason of a committed stream cut short (C{StreamEnd.TRUNCATED})."""
 ERRORED = "workload:errored"
 TERMINAL = frozenset({COMPLETED, ERRORED})
 
@@ -82,11 +84,15 @@ class WorkloadInfo:
     requesterId: str | None
     seq: int
     stats: Stats | None = None
+    truncated: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """
         The JSON object. An unplaced workload has no ``scheduledOn`` key (§5.5:
-        absent means "not placed"); ``stats`` is absent unless measured.
+        absent means "not placed"); ``stats`` is absent unless measured;
+        ``truncated`` is present (``true``) only on the terminal event of a
+        committed answer whose upstream ended before the response was
+        complete (the state stays ``completed``, §1.1).
         """
         out: dict[str, Any] = {
             "id": self.id,
@@ -106,6 +112,8 @@ class WorkloadInfo:
             requesterId=self.requesterId,
             seq=self.seq,
         )
+        if self.truncated:
+            out["truncated"] = True
         if self.stats is not None:
             stats = self.stats.to_json()
             if stats:
@@ -277,7 +285,13 @@ class WorkloadTracker:
             stats = None
         now = self._recorder.now_ms()
         if outcome.state == "completed":
-            self._emit(COMPLETED, state="completed", completedAt=now, stats=stats)
+            self._emit(
+                COMPLETED,
+                state="completed",
+                completedAt=now,
+                stats=stats,
+                truncated=outcome.reason == TRUNCATED,
+            )
         elif outcome.state == "cancelled":
             # §5.5 has two terminal methods; a cancel is its own *state*
             # (§5.4), reported through workload:errored.
@@ -299,7 +313,12 @@ class WorkloadTracker:
                     f"upstream status {code}" if code is not None else "failed"
                 )
             self._emit(
-                ERRORED, state="failed", completedAt=now, error=error, stats=stats
+                ERRORED,
+                state="failed",
+                completedAt=now,
+                error=error,
+                stats=stats,
+                truncated=outcome.reason == TRUNCATED,
             )
         self._done = True
 

@@ -7,6 +7,7 @@ timeouts, the commit gate and the commit-versus-cancel claim (spec §5.2,
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 from attrs import define, field
@@ -19,7 +20,17 @@ from twisted.web._newclient import Response, TransportProxyProducer
 from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.http_headers import Headers
 
-from nvproxy.attempt import ClientSide, HttpAttempt, UpstreamRequest
+from nvproxy.attempt import (
+    CUT_GRACE,
+    DRAIN_LIMIT,
+    DRAIN_TIMEOUT,
+    IDLE_MESSAGE,
+    TRUNCATED_MESSAGE,
+    ClientSide,
+    HttpAttempt,
+    UpstreamRequest,
+    error_frame,
+)
 from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
 
 TIMEOUT = 30.0
@@ -56,6 +67,9 @@ class _Channel:
     def abortConnection(self) -> None:
         self._request.aborted = True
 
+    def loseConnection(self) -> None:
+        self._request.closed_cleanly = True
+
 
 class FakeClientRequest:
     """
@@ -65,6 +79,7 @@ class FakeClientRequest:
     def __init__(self) -> None:
         self.channel = _Channel(self)
         self.aborted = False
+        self.closed_cleanly = False
         self.code: int | None = None
         self.responseHeaders = Headers()
         self.written: list[bytes] = []
@@ -125,7 +140,7 @@ def response(code: int, headers: dict[bytes, list[bytes]] | None = None) -> Resp
     )
 
 
-class AttemptTests(SynchronousTestCase):
+class _AttemptCase(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.agent = FakeAgent()
@@ -146,8 +161,11 @@ class AttemptTests(SynchronousTestCase):
             inference=True,
         )
 
-    def start(self, final: bool = False, timeout: float = TIMEOUT) -> HttpAttempt:
+    def start(
+        self, final: bool = False, timeout: float = TIMEOUT, idle: float = 0.0
+    ) -> HttpAttempt:
         return HttpAttempt(
+            stream_idle_timeout=idle,
             agent=self.agent,
             clock=self.clock,
             node_id="n1",
@@ -159,6 +177,8 @@ class AttemptTests(SynchronousTestCase):
             cooperator=Cooperator(scheduler=lambda f: self.clock.callLater(0, f)),
         )
 
+
+class AttemptTests(_AttemptCase):
     def test_request_headers(self) -> None:
         self.start()
         method, uri, headers = self.agent.requests[0]
@@ -247,17 +267,48 @@ class AttemptTests(SynchronousTestCase):
     def test_retryable_status_not_relayed(self) -> None:
         """
         A retryable status before the final attempt is reported, not
-        relayed, and its connection is closed rather than drained.
+        relayed.  Its connection is not stopped from the response callback
+        (the rest of the body may be in the same read): a short body is
+        read to its end, so the connection can be reused.
         """
         attempt = self.start()
         r = response(503)
         self.agent.pending[0].callback(r)
-        self.assertEqual(r._transport._producer.producerState, "stopped")
+        self.assertEqual(r._transport._producer.producerState, "producing")
         self.assertEqual(
             self.successResultOf(attempt.result),
             AttemptFailed("n1", FailureKind.STATUS, 503),
         )
         self.assertIsNone(self.client_request.code)
+        r._bodyDataReceived(b'{"error": "busy"}')
+        r._bodyDataFinished(Failure(ResponseDone()))
+        self.assertEqual(r._transport._producer.producerState, "producing")
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertEqual(self.client_request.written, [])
+
+    def test_long_discarded_body_is_stopped(self) -> None:
+        """
+        A discarded body longer than the drain limit stops its connection.
+        """
+        self.start()
+        r = response(500)
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"x" * (DRAIN_LIMIT + 1))
+        self.assertEqual(r._transport._producer.producerState, "stopped")
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_slow_discarded_body_is_stopped(self) -> None:
+        """
+        A discarded body that does not end within the drain timeout stops
+        its connection, from the timer.
+        """
+        self.start()
+        r = response(500)
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"x")
+        self.clock.advance(DRAIN_TIMEOUT)
+        self.assertEqual(r._transport._producer.producerState, "stopped")
+        self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_final_attempt_commits_any_status(self) -> None:
         attempt = self.start(final=True)
@@ -303,7 +354,7 @@ class AttemptTests(SynchronousTestCase):
         assert isinstance(committed, Committed)
         self.assertEqual(b"".join(self.client_request.written), b"first second")
 
-    def test_truncated_stream_aborts_client(self) -> None:
+    def test_truncated_stream_cuts_client(self) -> None:
         attempt = self.start()
         r = response(200)
         self.agent.pending[0].callback(r)
@@ -312,9 +363,12 @@ class AttemptTests(SynchronousTestCase):
         committed = self.successResultOf(attempt.result)
         assert isinstance(committed, Committed)
         self.assertEqual(self.successResultOf(committed.done), StreamEnd.TRUNCATED)
-        # Reset, not a graceful close that would wait on a stalled client.
-        self.assertTrue(self.client_request.aborted)
+        # Closed short, after what was relayed; reset only if the client
+        # stalls (a graceful close alone could wait on it forever).
+        self.assertTrue(self.client_request.closed_cleanly)
         self.assertFalse(self.client_request.finished)
+        self.clock.advance(CUT_GRACE)
+        self.assertTrue(self.client_request.aborted)
 
     def test_client_gone_during_stream(self) -> None:
         attempt = self.start()
@@ -372,3 +426,110 @@ class AttemptTests(SynchronousTestCase):
         self.agent.pending[0].callback(response(429))
         self.successResultOf(attempt.result)
         self.assertEqual(kinds, ["status"])
+
+
+_CUT = Failure(ResponseFailed([Failure(ConnectionError())]))
+
+
+class HonestEndingTests(_AttemptCase):
+    """
+    A committed stream cut short ends with its dialect's error frame and a
+    close without the last chunk (issue: honest endings), and the optional
+    stream idle timeout does the same for a silent upstream.
+    """
+
+    def stream(self, content_type: bytes, idle: float = 0.0) -> tuple[Any, Any]:
+        attempt = self.start(idle=idle)
+        r = response(200, {b"content-type": [content_type]})
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"data: {}\n\n")
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        return r, committed
+
+    def test_sse_cut_ends_with_error_event(self) -> None:
+        r, committed = self.stream(b"text/event-stream; charset=utf-8")
+        r._bodyDataFinished(_CUT)
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.TRUNCATED)
+        frame = self.client_request.written[-1]
+        self.assertTrue(frame.startswith(b"\n\ndata: "), frame)
+        self.assertTrue(frame.endswith(b"\n\n"))
+        error = json.loads(frame.strip()[len(b"data: ") :])["error"]
+        self.assertEqual(error["message"], TRUNCATED_MESSAGE)
+        self.assertTrue(self.client_request.closed_cleanly)
+        self.assertFalse(self.client_request.finished, "no last chunk")
+        self.assertFalse(self.client_request.aborted)
+        self.assertIsNone(self.client_request.producer)
+
+    def test_client_that_does_not_read_the_frame_is_reset(self) -> None:
+        r, committed = self.stream(b"text/event-stream")
+        r._bodyDataFinished(_CUT)
+        self.assertFalse(self.client_request.aborted)
+        self.clock.advance(CUT_GRACE)
+        self.assertTrue(self.client_request.aborted)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_closed_client_cancels_the_reset(self) -> None:
+        r, committed = self.stream(b"text/event-stream")
+        r._bodyDataFinished(_CUT)
+        self.client_request.disconnect()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertFalse(self.client_request.aborted)
+
+    def test_ndjson_cut_ends_with_error_line(self) -> None:
+        r, committed = self.stream(b"application/x-ndjson")
+        r._bodyDataFinished(_CUT)
+        self.assertEqual(
+            self.client_request.written[-1],
+            json.dumps({"error": TRUNCATED_MESSAGE}).encode() + b"\n",
+        )
+        self.assertTrue(self.client_request.closed_cleanly)
+
+    def test_plain_body_cut_is_closed_after_what_was_relayed(self) -> None:
+        """
+        A cut non-streaming answer gets no frame: what was relayed (headers
+        and part of the body) is flushed, then the connection closes short.
+        """
+        r, committed = self.stream(b"application/json")
+        r._bodyDataFinished(_CUT)
+        self.assertEqual(self.client_request.written, [b"data: {}\n\n"])
+        self.assertTrue(self.client_request.closed_cleanly)
+        self.assertFalse(self.client_request.aborted)
+        self.assertFalse(self.client_request.finished)
+        self.clock.advance(CUT_GRACE)
+        self.assertTrue(self.client_request.aborted)
+
+    def test_error_frame_after_a_partial_line(self) -> None:
+        self.assertEqual(
+            error_frame(b"application/x-ndjson", "cut", at_line_start=False),
+            b'\n{"error": "cut"}\n',
+        )
+        self.assertIsNone(error_frame(None, "cut"))
+
+    def test_idle_timeout_refreshed_by_every_chunk(self) -> None:
+        r, committed = self.stream(b"text/event-stream", idle=10.0)
+        self.clock.advance(6)
+        r._bodyDataReceived(b"data: {}\n\n")
+        self.clock.advance(9)
+        self.assertNoResult(committed.done)
+        self.clock.advance(1)
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.TRUNCATED)
+        self.assertEqual(r._transport._producer.producerState, "stopped")
+        frame = self.client_request.written[-1]
+        error = json.loads(frame.strip()[len(b"data: ") :])["error"]
+        self.assertEqual(error["message"], IDLE_MESSAGE)
+        # A late end from the stopped upstream changes nothing.
+        r._bodyDataFinished(_CUT)
+        self.assertEqual(len(self.client_request.written), 3)
+        self.clock.advance(CUT_GRACE)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_idle_timer_gone_after_a_complete_stream(self) -> None:
+        r, committed = self.stream(b"text/event-stream", idle=10.0)
+        r._bodyDataFinished(Failure(ResponseDone()))
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.COMPLETE)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_no_idle_timer_by_default(self) -> None:
+        r, committed = self.stream(b"text/event-stream")
+        self.assertEqual(self.clock.getDelayedCalls(), [])

@@ -220,6 +220,82 @@ class EndToEndTests(TestCase):
             record = json.loads(line)
             self.assertIn("message", record)
 
+    async def test_sdks_see_a_cut_stream(self) -> None:
+        """
+        An engine that dies mid-stream: the openai and ollama SDKs raise a
+        clear error (the dialect's error frame) instead of silently ending,
+        and the workload says truncated while its state stays completed.
+        """
+        ollama = FakeEngine("ollama", ["llama3:latest"], reactor)
+        ollama.default = Behaviour(chunks=8, die_after_chunks=3)
+        await ollama.listen(reactor)
+        self.addCleanup(ollama.stop)
+        openai = FakeEngine("openai", ["qwen"], reactor)
+        openai.default = Behaviour(chunks=8, die_after_chunks=3)
+        await openai.listen(reactor)
+        self.addCleanup(openai.stop)
+        ports = {"ollama": free_port(), "vllm": free_port(), "admin": free_port()}
+        config = f"""
+            node_id = "e2e"
+            [admin]
+            listen = "127.0.0.1:{ports["admin"]}"
+            [discovery]
+            poll_interval = "100ms"
+            [engines.ollama]
+            port = {ports["ollama"]}
+            backend = "{ollama.url}"
+            [engines.vllm]
+            port = {ports["vllm"]}
+            backend = "{openai.url}"
+            [engines.lmstudio]
+            enabled = false
+            [engines.llamacpp]
+            enabled = false
+        """
+        protocol, pid = await self.start(textwrap.dedent(config))
+        admin = f"http://127.0.0.1:{ports['admin']}"
+        await self.wait_for(protocol, admin + "/admin/status")
+        out, err, code = await run_client(
+            f"""
+            import json, ollama, openai
+            client = openai.OpenAI(base_url="http://127.0.0.1:{ports["vllm"]}/v1",
+                                   api_key="unused", max_retries=0, timeout=30)
+            seen = []
+            try:
+                for chunk in client.chat.completions.create(
+                        model="qwen", stream=True, messages=[]):
+                    seen.append(chunk)
+                result = {{"openai": "ended silently"}}
+            except openai.APIError as e:
+                result = {{"openai": e.message, "chunks": len(seen)}}
+            try:
+                list(ollama.Client(host="http://127.0.0.1:{ports["ollama"]}").chat(
+                    model="llama3", stream=True, messages=[]))
+                result["ollama"] = "ended silently"
+            except ollama.ResponseError as e:
+                result["ollama"] = e.error
+            print(json.dumps(result))
+            """
+        )
+        self.assertEqual(code, 0, err.decode())
+        result = json.loads(out)
+        self.assertIn("ended before the response was complete", result["openai"])
+        self.assertGreaterEqual(result["chunks"], 1)
+        self.assertIn("ended before the response was complete", result["ollama"])
+        client = Client(reactor, persistent=False)
+        self.addCleanup(client.close)
+        _, _, body = await client.request("GET", admin + "/admin/workloads?limit=10")
+        terminals = [w["events"][-1] for w in json.loads(body)["workloads"]]
+        self.assertEqual(len(terminals), 2, terminals)
+        for event in terminals:
+            info = event["workloadInfo"]
+            self.assertEqual(event["method"], "workload:completed")
+            self.assertEqual(
+                (info["state"], info.get("truncated")), ("completed", True)
+            )
+        _, _, metrics = await client.request("GET", admin + "/metrics")
+        self.assertIn(b'outcome="truncated"', metrics)
+
     async def test_bad_config_one_line(self) -> None:
         """
         A bad config exits non-zero with one line naming the key; no

@@ -777,7 +777,10 @@ class LoopbackTests(TestCase):
             stalled = ensureDeferred(self.post({"model": "m"}))
             silent = await self.post({"model": "m", "stream": True})
             body = _collect(silent).done
-            await deferLater(reactor, 0.05, lambda: None)
+            for _ in range(200):  # both held: bounded, not a fixed sleep
+                if self.engine.pending == 2:
+                    break
+                await deferLater(reactor, 0.01, lambda: None)
             self.assertNoResult(stalled)
             self.assertNoResult(body)
             self.assertEqual(self.engine.pending, 2)

@@ -86,6 +86,28 @@ class RecorderTests(SynchronousTestCase):
         self.assertTrue(tracker.done)
         self.assertEqual(tracker.info, final)
 
+    def test_truncated_says_so(self) -> None:
+        """
+        A committed stream cut short stays completed (§1.1); its terminal
+        event carries C{truncated}, which a whole answer omits.
+        """
+        tracker = self.recorder.begin("ollama", "llama3:latest")
+        tracker.admitted()
+        tracker.dispatching(NODE_B, 1)
+        tracker.committed(NODE_B, 200)
+        tracker.finished(FakeOutcome("completed", 200, NODE_B, 1, "truncated"), STATS)
+        final = self.sink.events[-1][1]
+        self.assertEqual((final.state, final.truncated), ("completed", True))
+        self.assertIs(final.to_json()["truncated"], True)
+        self.assertNotIn("truncated", self.sink.events[-2][1].to_json())
+
+    def test_whole_answer_has_no_truncated_key(self) -> None:
+        tracker = self.recorder.begin("ollama", "llama3:latest")
+        tracker.admitted()
+        tracker.committed(NODE_B, 200)
+        tracker.finished(FakeOutcome("completed", 200, NODE_B, 1, "complete"), STATS)
+        self.assertNotIn("truncated", self.sink.events[-1][1].to_json())
+
     def test_failed_after_retries(self) -> None:
         tracker = self.recorder.begin("ollama", "llama3:latest")
         tracker.admitted()
