@@ -1,8 +1,9 @@
 # -*- test-case-name: tests.test_accounting -*-
 """
 Per-request accounting: ordering and reservations (spec §5 steps 2-3, §6),
-workload lifecycle events with stats (§5.5) and metrics, composed into the
-one observer the dispatcher calls.
+passive outlier ejection (L{nvproxy.outliers}), workload lifecycle events
+with stats (§5.5) and metrics, composed into the one observer the dispatcher
+calls.
 
 L{Accounting} is process-wide (one reservation map, one workload recorder,
 one set of metrics for every facade); L{RequestAccounting} is one request's
@@ -17,10 +18,11 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from nvproxy.discovery import NodeEntry
-from nvproxy.dispatch import JobOutcome
+from nvproxy.dispatch import FailureKind, JobOutcome, RejectReason
 from nvproxy.engines import Engine, RouteKind
 from nvproxy.inferstats import StatsMeter
 from nvproxy.metrics import Metrics, RequestMetrics
+from nvproxy.outliers import OutlierTable
 from nvproxy.scheduler import ReservationMap, ReservationTracker, choose, order_owners
 from nvproxy.workload import WorkloadRecorder, WorkloadTracker
 
@@ -28,6 +30,9 @@ log = Logger()
 
 Awake = Callable[[str, NodeEntry, str | None], bool]
 """(engine id, node entry, model) -> whether the node can serve without waking."""
+
+_STOPPED = frozenset({"client_gone", RejectReason.SHUTDOWN.value})
+"""Job endings that abort the attempt in flight: its failure is ours."""
 
 
 class Accounting:
@@ -43,6 +48,7 @@ class Accounting:
         metrics: Metrics,
         pins: Mapping[str, str],
         awake: Awake | None = None,
+        outliers: OutlierTable | None = None,
     ) -> None:
         self.clock = clock
         self.reservations = reservations
@@ -50,6 +56,7 @@ class Accounting:
         self.metrics = metrics
         self.pins = pins
         self.awake = awake
+        self.outliers = outliers
 
     def begin(
         self, engine: Engine, model: str | None, kind: RouteKind
@@ -69,6 +76,14 @@ class Accounting:
 class RequestAccounting:
     """
     One request's observer (L{nvproxy.dispatch.JobObserver}) and orderer.
+
+    Outlier ejection: a TRANSPORT failure (L{failed_attempt}) is held
+    against the node of the attempt in flight and only applied once the job
+    moves on without it (L{between_attempts}) or ends for a reason of its own
+    (L{finished}).  When the job ends because the client left or the proxy
+    is shutting down, the attempt was aborted by us, whatever kind its
+    failure reports, so the node is not ejected.  A commit reinstates the
+    node.
 
     @ivar meter: measures the committed response body (inference only); the
         attempt feeds it only for a committed status below 400.
@@ -92,6 +107,9 @@ class RequestAccounting:
         self._reservations = reservations
         self.meter = meter
         self._committed_status: int | None = None
+        self._node: str | None = None
+        self._suspect: str | None = None
+        self._done = False
         if meter is not None:
             meter.started()
 
@@ -100,6 +118,8 @@ class RequestAccounting:
     def order(self, entries: Sequence[NodeEntry]) -> list[NodeEntry]:
         """
         Order this round's eligible owners and take the round's reservation.
+        Owners ejected after a transport failure come last (an eligible pin
+        stays first); none is ever dropped or added.
         """
         if not entries:
             return []
@@ -111,6 +131,11 @@ class RequestAccounting:
             engine_id = self._engine.id
             model = self._model
             awake_fn = lambda node: awake(engine_id, by_id[node], model)  # noqa: E731
+        ejected_fn: Callable[[str], bool] | None = None
+        if shared.outliers is not None:
+            is_ejected = shared.outliers.is_ejected
+            engine = self._engine.id
+            ejected_fn = lambda node: is_ejected(engine, node)  # noqa: E731
         pin = shared.pins.get(self._engine.id)
         ordered = order_owners(
             by_id,
@@ -118,10 +143,15 @@ class RequestAccounting:
             snapshot=shared.reservations.snapshot,
             loads=shared.reservations.load,
             awake=awake_fn,
+            ejected=ejected_fn,
         )
         if self._reservations is not None:
             ordered, reservation = choose(
-                ordered, pin in by_id, shared.reservations, awake=awake_fn
+                ordered,
+                pin in by_id,
+                shared.reservations,
+                awake=awake_fn,
+                ejected=ejected_fn,
             )
             self._reservations.adopt(reservation)
         return [by_id[node] for node in ordered]
@@ -133,6 +163,8 @@ class RequestAccounting:
             self._workload.admitted()
 
     def dispatching(self, node_id: str, attempt: int) -> None:
+        self._node = node_id
+        self._suspect = None
         if self._reservations is not None:
             self._reservations.dispatching(node_id, attempt)
         if self._workload is not None:
@@ -140,6 +172,7 @@ class RequestAccounting:
         self._metrics.dispatching(node_id, attempt)
 
     def between_attempts(self) -> None:
+        self._eject_suspect()
         if self._reservations is not None:
             self._reservations.between_attempts()
         if self._workload is not None:
@@ -147,14 +180,23 @@ class RequestAccounting:
 
     def committed(self, node_id: str, status: int) -> None:
         self._committed_status = status
+        self._suspect = None
+        if self._shared.outliers is not None:
+            self._shared.outliers.served(self._engine.id, node_id)
         if self._workload is not None:
             self._workload.committed(node_id, status)
         self._metrics.committed(node_id, status)
 
     def failed_attempt(self, kind: str) -> None:
         self._metrics.failed_attempt(kind)
+        if kind == FailureKind.TRANSPORT.value and not self._done:
+            self._suspect = self._node
 
     def finished(self, outcome: JobOutcome) -> None:
+        if outcome.reason not in _STOPPED:
+            self._eject_suspect()
+        self._suspect = None
+        self._done = True
         if self._reservations is not None:
             self._reservations.finished(outcome)
         if self._workload is not None:
@@ -164,3 +206,9 @@ class RequestAccounting:
                 stats = self.meter.finish()
             self._workload.finished(outcome, stats)
         self._metrics.finished(outcome)
+
+    def _eject_suspect(self) -> None:
+        node, self._suspect = self._suspect, None
+        outliers = self._shared.outliers
+        if node is not None and outliers is not None:
+            outliers.transport_failed(self._engine.id, node)

@@ -83,9 +83,12 @@ FLAG_NAMES: Final = (
     "state-dir",
     "admin",
     "log-format",
+    "log-level",
     "node-id",
     "control",
     "listen-interface",
+    "eject-base",
+    "eject-max",
 )
 """Long names of the command-line flags; each also reads C{NVPROXY_<NAME>}."""
 
@@ -287,6 +290,9 @@ class DispatchConfig:
     dial_timeout: float = 10.0
     response_header_timeout: float = 1800.0
     backoff: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    stream_idle_timeout: float = 0.0
+    eject_base: float = 1.0
+    eject_max: float = 30.0
 
 
 @frozen
@@ -725,6 +731,9 @@ def _dispatch(table: dict[str, object], overrides: _Overrides) -> DispatchConfig
             "dial_timeout",
             "response_header_timeout",
             "backoff",
+            "stream_idle_timeout",
+            "eject_base",
+            "eject_max",
         ),
     )
     result = DispatchConfig()
@@ -754,6 +763,20 @@ def _dispatch(table: dict[str, object], overrides: _Overrides) -> DispatchConfig
             # The last step repeats while waiting for an owner: 0 would spin.
             raise ConfigError(value.key, "the last duration must be above 0")
         result = attrs.evolve(result, backoff=steps)
+    base = _pick(overrides, "eject-base", table, "dispatch", "eject_base")
+    if base:
+        result = attrs.evolve(result, eject_base=_duration(base, zero=True))
+    if value := _pick(overrides, "eject-max", table, "dispatch", "eject_max"):
+        result = attrs.evolve(result, eject_max=_duration(value, zero=False))
+        if result.eject_base > result.eject_max:
+            raise ConfigError(
+                value.key,
+                f"must not be below dispatch.eject_base, got {_show(value.raw)}",
+            )
+    elif base and result.eject_base > result.eject_max:
+        raise ConfigError(
+            base.key, f"must not be above dispatch.eject_max, got {_show(base.raw)}"
+        )
     return result
 
 
@@ -1245,6 +1268,14 @@ class Options(usage.Options):
         ["dial-timeout", None, None, 'Upstream connect timeout, e.g. "10s".'],
         ["max-attempts", None, None, "Dispatches an inference request may fail."],
         ["deadline", None, None, 'No new attempts after this, e.g. "10m".'],
+        [
+            "eject-base",
+            None,
+            None,
+            'Order a node last for this long after a transport failure, e.g. "1s";'
+            " 0 disables.",
+        ],
+        ["eject-max", None, None, 'The longest such ejection, e.g. "30s".'],
         ["cluster-dir", None, None, "Cluster identity and pinned peers (mTLS)."],
         ["state-dir", None, None, "Persisted ports, node id, vLLM wake intent."],
         [

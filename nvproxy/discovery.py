@@ -150,6 +150,11 @@ class InventoryClient:
 class PollingDiscovery(Service):
     """
     Polls every endpoint's model list every C{interval} seconds.
+
+    @param answered: called with each endpoint whose poll was answered with
+        a model list (not for C{static_models}, which are never asked): the
+        engine there is reachable, which reinstates an ejected owner
+        (L{nvproxy.outliers}).
     """
 
     def __init__(
@@ -160,8 +165,10 @@ class PollingDiscovery(Service):
         endpoints: Iterable[Endpoint],
         interval: float = 2.0,
         static_models: Mapping[Endpoint, Sequence[str]] | None = None,
+        answered: Callable[[Endpoint], None] | None = None,
     ) -> None:
         self.discovery = discovery
+        self._answered = answered
         self._client = client
         self._clock = clock
         self._interval = interval
@@ -244,6 +251,8 @@ class PollingDiscovery(Service):
                     count=len(models),
                 )
             self._answers[endpoint] = models
+            if self._answered is not None:
+                self._answered(endpoint)
 
         def failed(reason: Any) -> None:
             if self._answers.pop(endpoint, None) is not None:

@@ -14,11 +14,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
 
 from nvproxy.dispatch import JobOutcome
+from nvproxy.outliers import OutlierTable
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -55,6 +56,35 @@ class _Reservations(Collector):
         yield family
 
 
+class _Ejections(Collector):
+    """
+    Outlier ejection, read from the table at scrape time (an ejection ends
+    by time passing, with no event to update a gauge on).
+    """
+
+    def __init__(self, outliers: OutlierTable) -> None:
+        self._outliers = outliers
+
+    def collect(self) -> Any:
+        ejected = GaugeMetricFamily(
+            "nvproxy_node_ejected",
+            "Whether a node's engine is ejected now (ordered last after a"
+            " transport failure)",
+            labels=["engine", "node"],
+        )
+        ejections = CounterMetricFamily(
+            "nvproxy_node_ejections",
+            "Times a node's engine was ejected after a transport failure",
+            labels=["engine", "node"],
+        )
+        now = {(e.engine, e.node) for e in self._outliers.ejected()}
+        for (engine, node), total in sorted(self._outliers.totals().items()):
+            ejected.add_metric([engine, node], 1 if (engine, node) in now else 0)
+            ejections.add_metric([engine, node], total)
+        yield ejected
+        yield ejections
+
+
 class Metrics:
     """
     Every nvproxy metric.
@@ -64,6 +94,7 @@ class Metrics:
         self,
         registry: CollectorRegistry,
         reservations: Callable[[], Mapping[str, int]] | None = None,
+        outliers: OutlierTable | None = None,
     ) -> None:
         self.registry = registry
         self.requests = Counter(
@@ -112,6 +143,8 @@ class Metrics:
         )
         if reservations is not None:
             registry.register(_Reservations(reservations))
+        if outliers is not None:
+            registry.register(_Ejections(outliers))
 
     def observer(self, clock: IReactorTime, engine: str, route: str) -> RequestMetrics:
         return RequestMetrics(self, clock, engine, route)

@@ -8,11 +8,13 @@ Ordering (:func:`order_owners`, §5 step 2)::
 
     eligible pin ▸ scheduler priority list ▸ default order (sorted ids)
     then, when ``awake`` is given: awake owners before sleeping ones, stable,
-    except that an eligible pin stays first even while it sleeps.
+    except that an eligible pin stays first even while it sleeps;
+    then, when ``ejected`` is given: ejected owners last, stable, again except
+    an eligible pin.
 
 Choosing (:func:`choose`, §5 step 3): unless an eligible pin applies, reserve the
 least estimated-loaded scheduler-listed candidate (ties keep order) and move it to
-the front.
+the front; never an ejected one while another candidate is not ejected.
 
 Reservations (:class:`ReservationMap`, §6)::
 
@@ -250,6 +252,7 @@ def order_owners(
     snapshot: SchedulerSnapshot | None,
     loads: Mapping[str, float] | Callable[[str], float] | None = None,
     awake: Callable[[str], bool] | None = None,
+    ejected: Callable[[str], bool] | None = None,
 ) -> list[str]:
     """
     Order the eligible owners (§5 step 2).
@@ -267,6 +270,12 @@ def order_owners(
     owner has the model. An eligible pin is the exception: it stays first even
     while asleep, because an operator who pinned a node asked for that node, and a
     pin that yielded whenever its node slept could never wake it.
+
+    When ``ejected`` is given (passive outlier ejection,
+    :mod:`nvproxy.outliers`), owners it reports ejected come last, after
+    sleeping ones, stable: they are demoted, never removed, so one is still
+    tried when no other owner is left. An eligible pin stays first even while
+    ejected: the operator asked for that node.
 
     Duplicates in ``owners`` are collapsed.
     """
@@ -288,6 +297,10 @@ def order_owners(
     tail = listed + rest
     if awake is not None:
         tail = [n for n in tail if awake(n)] + [n for n in tail if not awake(n)]
+    if ejected is not None:
+        out = {n for n in tail if ejected(n)}
+        if out:
+            tail = [n for n in tail if n not in out] + [n for n in tail if n in out]
     return head + tail
 
 
@@ -298,6 +311,7 @@ def choose(
     *,
     awake: Callable[[str], bool] | None = None,
     listed: Collection[str] | None = None,
+    ejected: Callable[[str], bool] | None = None,
 ) -> tuple[list[str], Reservation | None]:
     """
     Reserve a candidate and move it to the front (§5 step 3, §6).
@@ -310,6 +324,9 @@ def choose(
     :param awake: as for :func:`order_owners`; when some candidates are awake the
         pick is made among them only, so reservation never undoes awake-first.
     :param listed: override for the scheduler-listed node set.
+    :param ejected: as for :func:`order_owners`; the pick is made among the
+        candidates not ejected when there are any, so reservation never undoes
+        ejected-last (nor, among those, awake-first).
 
     The pick is the least estimated-loaded scheduler-listed candidate, ties
     keeping order. With no scheduler opinion about any candidate (no snapshot
@@ -320,6 +337,8 @@ def choose(
     if pinned or not candidates:
         return candidates, None
     pool = candidates
+    if ejected is not None:
+        pool = [n for n in pool if not ejected(n)] or pool
     if awake is not None:
         pool = [n for n in pool if awake(n)] or pool
     if listed is None:

@@ -57,8 +57,9 @@ from nvproxy.facade import Facade
 from nvproxy.listener import DemuxFactory, tls_personality
 from nvproxy.logs import configure_twistd, set_level
 from nvproxy.metrics import Metrics
+from nvproxy.outliers import EjectionPolicy, OutlierTable
 from nvproxy.pathnorm import is_hidden
-from nvproxy.ports import PortStore, effective_port
+from nvproxy.ports import PortStore, SelectionStore, effective_port
 from nvproxy.scheduler import ReservationMap, SchedulerSnapshot
 from nvproxy.site import FacadeSite
 from nvproxy.upstream import TreqInventoryClient, Upstream
@@ -310,6 +311,11 @@ class NvProxy(MultiService):
                     service = self.vllm.registry.service(endpoint.service)
                     static[endpoint] = [service.model]
         self.inventory_client = TreqInventoryClient(self.upstream.treq, reactor)
+        # Process-wide, per (engine, node): an answered poll reinstates.
+        self.outliers = OutlierTable(
+            reactor,
+            EjectionPolicy(config.dispatch.eject_base, config.dispatch.eject_max),
+        )
         self.polling = PollingDiscovery(
             self.discovery,
             self.inventory_client,
@@ -317,6 +323,7 @@ class NvProxy(MultiService):
             self._endpoints(),
             interval=config.discovery_poll_interval,
             static_models=static,
+            answered=lambda e: self.outliers.answered(e.engine, e.node_id),
         )
         self.polling.setServiceParent(self)  # type: ignore[no-untyped-call]
         if cluster is not None:
@@ -348,7 +355,7 @@ class NvProxy(MultiService):
                     "workloads.log", f"cannot open: {e.strerror}"
                 ) from None
             sinks.append(JsonLinesSink(self._workload_file))
-        self.metrics = Metrics(self.registry, self._reservation_counts)
+        self.metrics = Metrics(self.registry, self._reservation_counts, self.outliers)
         self.accounting = Accounting(
             reactor,
             self.reservations,
@@ -361,6 +368,7 @@ class NvProxy(MultiService):
             self.metrics,
             self.pins,
             awake=self._awake,
+            outliers=self.outliers,
         )
         self.facades: dict[str, Facade] = {}
         self.listeners: dict[str, PortListener] = {}
@@ -664,6 +672,26 @@ class NvProxy(MultiService):
             "reservations": dict(self._reservation_counts()),
             "vllm": self.vllm.status() if self.vllm is not None else [],
             "loads": dict(self.reservations.snapshot_of_loads()),
+            "ejected": self.outliers.status(),
+            "process": self._process_status(),
+        }
+
+    def _process_status(self) -> dict[str, int | None]:
+        """
+        What a harness outside the process watches for leaks: open file
+        descriptors, pending DelayedCalls and resident memory (C{None} where
+        the platform or the reactor does not tell).
+        """
+        try:
+            open_fds: int | None = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            open_fds = None
+        delayed = getattr(self.reactor, "getDelayedCalls", None)
+        delayed_calls = len(delayed()) if callable(delayed) else None
+        return {
+            "open_fds": open_fds,
+            "delayed_calls": delayed_calls,
+            "rss_bytes": _rss_bytes(),
         }
 
     def set_port(self, engine: str, port: int) -> Deferred[Mapping[str, Any]]:
