@@ -366,6 +366,8 @@ class EngineConfig:
     @ivar aliases: extra loopback-only listen addresses (spec §7).
     @ivar services: vLLM services (vLLM only).
     @ivar hold: vLLM wake hold deadlines (vLLM only).
+    @ivar state_ttl: how long the last look at a vLLM service that found it
+        awake is trusted while its state polls fail (vLLM only).
     """
 
     id: str
@@ -376,6 +378,7 @@ class EngineConfig:
     aliases: tuple[tuple[str, int], ...] = ()
     services: tuple[VllmServiceConfig, ...] = ()
     hold: VllmHold = VllmHold()
+    state_ttl: float = 10.0
 
     @property
     def facade_port(self) -> int:
@@ -673,7 +676,7 @@ _TOP_KEYS: Final = (
     "nodes",
 )
 _ENGINE_KEYS: Final = ("enabled", "port", "backend", "aliases")
-_VLLM_KEYS: Final = ("hold", "services")
+_VLLM_KEYS: Final = ("hold", "services", "state_ttl")
 _SERVICE_KEYS: Final = (
     "name",
     "url",
@@ -915,6 +918,8 @@ def _engine(engine_id: str, table: dict[str, object]) -> EngineConfig:
         result = attrs.evolve(result, aliases=tuple(aliases))
     if value := _get(table, prefix, "hold"):
         result = attrs.evolve(result, hold=_hold(value))
+    if value := _get(table, prefix, "state_ttl"):
+        result = attrs.evolve(result, state_ttl=_duration(value, zero=True))
     if value := _get(table, prefix, "services"):
         services = _services(value)
         for index, service in enumerate(services):

@@ -223,6 +223,17 @@ class Facade:
             return self._answer_json(
                 request, {"status": "ok", "services": self._vllm.status()}
             )
+        if self._vllm is not None and normalize_path(path) == "/metrics":
+            # Whichever service happened to be awake (or a 502 while all
+            # sleep) would pass for the front door's metrics; nvproxy's own
+            # are on the admin listener.
+            self._answer_error(
+                request,
+                404,
+                "not found: /metrics is not served on the vLLM front door; "
+                "nvproxy's metrics are at /metrics on its admin listener",
+            )
+            return None
         client = ClientSide(request, self._error_body)
         prepared = self._prepare(request, kind, client, kind is RouteKind.INFERENCE)
         if prepared is None:

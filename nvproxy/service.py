@@ -300,6 +300,8 @@ class NvProxy(MultiService):
                 self.upstream.treq,
                 reactor,
                 config.state_dir,
+                poll_interval=config.discovery_poll_interval,
+                state_ttl=vllm_config.state_ttl,
                 metrics=self.registry,
             )
             self.vllm.setServiceParent(self)  # type: ignore[no-untyped-call]

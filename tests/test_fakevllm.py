@@ -457,6 +457,68 @@ class ScriptingTests(_Harness):
         self.assertEqual((fake.state, fake.sleep_level), (EngineState.ASLEEP, 2))
 
 
+class BehindTheProxyTests(_Harness):
+    """Sleeping and waking the engine directly, as vllmctl or cron would."""
+
+    def gauge(self) -> dict[str, float]:
+        code, raw = self.call("GET", "/metrics")
+        self.assertEqual(code, 200)
+        return {
+            sample.labels["sleep_state"]: sample.value
+            for family in text_string_to_metric_families(raw.decode())
+            if family.name == "vllm:engine_sleep_state"
+            for sample in family.samples
+        }
+
+    def test_force_wake(self) -> None:
+        """
+        force_wake after a level-2 sleep: awake with its weights reloaded,
+        the request held while it slept runs, the gauge says awake.
+        """
+        fake = self.make(crash_on_request_while_asleep=False, health_delay=2)
+        fake.force_sleep(2)
+        held = self.request("POST", "/v1/chat/completions", json=CHAT)
+        self.assertEqual(fake.active, 1)
+        fake.force_wake()
+        self.assertEqual((fake.state, fake.sleep_level), (EngineState.AWAKE, None))
+        self.assertFalse(self.is_sleeping())
+        self.assertEqual(self.gauge()["awake"], 1.0)
+        self.assertEqual(self.call("GET", "/health")[0], 503)
+        self.assertEqual(self.response(held).code, 200)
+        # only the request made while it slept is a violation: the weights
+        # are loaded and /health readiness does not apply to it
+        self.assertEqual([v.kind for v in fake.violations], [REQUEST_WHILE_ASLEEP])
+        self.assertEqual(fake.wake_calls, 0)
+        self.advance(2)
+        self.assertEqual(self.call("POST", "/v1/chat/completions", json=CHAT)[0], 200)
+        self.assertEqual(len(fake.violations), 1)
+
+    def test_force_wake_only_when_asleep(self) -> None:
+        fake = self.make(wake_latency=5)
+        fake.force_wake()
+        self.assertEqual(fake.state, EngineState.AWAKE)
+        fake.force_sleep(1)
+        self.request("POST", "/wake_up")
+        self.assertRaises(ValueError, fake.force_wake)
+        self.advance(5)
+        self.assertEqual(fake.state, EngineState.AWAKE)
+
+    def test_direct_sleep_route(self) -> None:
+        """The engine's own /sleep and /wake_up move the gauge at once."""
+        self.make()
+        self.call("POST", "/sleep", params={"level": "2"})
+        self.assertEqual(self.gauge()["discard_all"], 1.0)
+        self.call("POST", "/wake_up")
+        self.assertEqual(self.gauge()["awake"], 1.0)
+
+    def test_without_gauge(self) -> None:
+        """An older vLLM: /metrics has no engine_sleep_state gauge."""
+        self.make(sleep_state_gauge=False)
+        self.assertEqual(self.gauge(), {})
+        code, raw = self.call("GET", "/metrics")
+        self.assertIn(b"vllm:num_requests_running", raw)
+
+
 class ViolationTests(_Harness):
     def test_crash_on_request_while_asleep(self) -> None:
         fake = self.make()

@@ -21,6 +21,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
+from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 from zope.interface import implementer
 
@@ -43,6 +44,7 @@ from nvproxy.vllm import (
     admin_routes,
     waking_503_body,
 )
+from nvproxy.vllm._poll import Observed, parse_sleep_state
 
 TEXT = VllmServiceConfig(
     name="text",
@@ -153,6 +155,9 @@ class _Hosts:
 
     def __init__(self, fakes: dict[bytes, FakeVLLM]) -> None:
         self.fakes = fakes
+        self.gated: set[str] = set()
+        """Paths whose requests wait for L{release} (an answer in flight)."""
+        self.waiting: list[Any] = []
 
     def getChildWithDefault(self, name: bytes, request: IRequest) -> IResource:
         return self
@@ -161,8 +166,18 @@ class _Hosts:
         raise NotImplementedError()
 
     def render(self, request: Any) -> Any:
+        if request.path.decode() in self.gated:
+            self.waiting.append(request)
+            return NOT_DONE_YET
         fake = self.fakes[request.getRequestHostname()]
         return fake.resource().render(request)
+
+    def release(self) -> None:
+        """Let the gated requests through now."""
+        self.gated.clear()
+        waiting, self.waiting = self.waiting, []
+        for request in waiting:
+            self.fakes[request.getRequestHostname()].resource().render(request)
 
 
 class _Client:
@@ -247,9 +262,8 @@ class _Harness(SynchronousTestCase):
         self.fakes = {
             s.name: FakeVLLM(clock=self.clock, model=s.model) for s in SERVICES
         }
-        self.stub = StubTreq(
-            _Hosts({HOSTS[name]: fake for name, fake in self.fakes.items()})
-        )
+        self.hosts = _Hosts({HOSTS[name]: fake for name, fake in self.fakes.items()})
+        self.stub = StubTreq(self.hosts)
         self.state_dir = self.mktemp()
         self.managers: list[VllmManager] = []
         self.addCleanup(self._no_leftovers)
@@ -1406,3 +1420,648 @@ class RestartTests(_Harness):
         for name in ("text", "embed"):
             self.fakes[name].stop()
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+METRICS = ("GET", "/metrics")
+AWAKE_GAUGE = b"""\
+# HELP vllm:engine_sleep_state Engine sleep state
+# TYPE vllm:engine_sleep_state gauge
+vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 1.0
+vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"} 0.0
+vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="discard_all"} 0.0
+"""
+
+
+class SleepStateGaugeTests(SynchronousTestCase):
+    """L{parse_sleep_state}: the C{vllm:engine_sleep_state} exposition."""
+
+    def states(self, awake: float, level1: float, level2: float) -> bytes:
+        return (
+            AWAKE_GAUGE.replace(b'"awake"} 1.0', b'"awake"} %r' % awake)
+            .replace(b'offloaded"} 0.0', b'offloaded"} %r' % level1)
+            .replace(b'discard_all"} 0.0', b'discard_all"} %r' % level2)
+        )
+
+    def test_fake_exposition(self) -> None:
+        """The fake's /metrics in each state (the format real vLLM uses)."""
+        clock = Clock()
+        fake = FakeVLLM(clock=clock)
+        stub = StubTreq(fake.resource())
+
+        def look() -> Observed | None:
+            d = stub.get("http://fake/metrics")
+            stub.flush()
+            body = self.successResultOf(treq.content(self.successResultOf(d)))
+            return parse_sleep_state(body)
+
+        self.assertEqual(look(), Observed(False))
+        fake.force_sleep(1)
+        self.assertEqual(look(), Observed(True, 1))
+        fake.force_sleep(2)
+        self.assertEqual(look(), Observed(True, 2))
+        fake.force_wake()
+        self.assertEqual(look(), Observed(False))
+        fake.sleep_state_gauge = False
+        self.assertIsNone(look())
+
+    def test_values(self) -> None:
+        self.assertEqual(parse_sleep_state(AWAKE_GAUGE), Observed(False))
+        self.assertEqual(
+            parse_sleep_state(self.states(0.0, 1.0, 0.0)), Observed(True, 1)
+        )
+        self.assertEqual(
+            parse_sleep_state(self.states(0.0, 0.0, 1.0)), Observed(True, 2)
+        )
+        # asleep, level not told: unknown (counted as offloaded)
+        self.assertEqual(
+            parse_sleep_state(self.states(0.0, 0.0, 0.0)), Observed(True, None)
+        )
+
+    def test_absent_or_unreadable(self) -> None:
+        for text in (
+            b"",
+            b'vllm:num_requests_running{engine="0"} 0.0\n',
+            b"# HELP vllm:engine_sleep_state x\n# TYPE vllm:engine_sleep_state gauge\n",
+            b'vllm:engine_sleep_state_total{sleep_state="awake"} 1.0\n',
+            b'vllm:engine_sleep_state{sleep_state="awake"} NaN\n',
+            b'vllm:engine_sleep_state{engine="0"} 1.0\n',
+            b'vllm:engine_sleep_state{sleep_state="awake"} one\n',
+            b'# vllm:engine_sleep_state{sleep_state="discard_all"} 1.0\n',
+        ):
+            self.assertIsNone(parse_sleep_state(text), text)
+
+    def test_format_variants(self) -> None:
+        """Label order, spacing, timestamps, quoted braces, CRLF."""
+        variants = [
+            b'vllm:engine_sleep_state{sleep_state="discard_all",engine="0"} 1\n',
+            b'vllm:engine_sleep_state{model_name="a}b\\"c",sleep_state="discard_all"}'
+            b" 1.0 1700000000000\n",
+            b'vllm:engine_sleep_state{ sleep_state = "discard_all" }\t1e0\r\n',
+        ]
+        for text in variants:
+            self.assertEqual(parse_sleep_state(text), Observed(True, 2), text)
+
+    def test_several_engines(self) -> None:
+        """Data parallel: one sleeping engine makes it asleep, deepest wins."""
+        one = self.states(1.0, 0.0, 0.0).replace(b'engine="0"', b'engine="1"')
+        self.assertEqual(parse_sleep_state(AWAKE_GAUGE + one), Observed(False))
+        two = self.states(0.0, 1.0, 0.0).replace(b'engine="0"', b'engine="1"')
+        self.assertEqual(parse_sleep_state(AWAKE_GAUGE + two), Observed(True, 1))
+        three = self.states(0.0, 0.0, 1.0).replace(b'engine="0"', b'engine="2"')
+        self.assertEqual(
+            parse_sleep_state(AWAKE_GAUGE + two + three), Observed(True, 2)
+        )
+
+
+class PollTests(_Harness):
+    """
+    The state poll (C{poll_interval}): a service slept or woken behind
+    nvproxy's back is noticed without a round trip per request.
+    """
+
+    def looks(self, name: str) -> list[tuple[str, str]]:
+        """The sleep-API calls a fake saw, without the polls."""
+        return [call for call in self.control(name) if call != METRICS]
+
+    def direct(self, name: str, path: str) -> None:
+        """Call a fake's own route, as vllmctl or cron would."""
+        stub: Any = self.stub
+        d = stub.post("http://" + HOSTS[name].decode() + path)
+        self.pump()
+        self.assertEqual(self.successResultOf(d).code, 200)
+
+    def status(self, manager: VllmManager, name: str = "text") -> dict[str, Any]:
+        return next(s for s in manager.status() if s["name"] == name)
+
+    def test_external_sleep_noticed_then_woken(self) -> None:
+        """
+        Slept directly at level 1: within one poll interval the status says
+        asleep / sleeping, without any wake; the next request is held and
+        woken through the single-flight wake, and nothing reaches the engine
+        while it sleeps.
+        """
+        text = self.fakes["text"]
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        self.advance(2)
+        self.assertEqual(self.control("text")[-1], METRICS)
+        self.direct("text", "/sleep?level=1")
+        self.advance(1.75)
+        self.assertEqual(self.status(manager)["state"], "awake")
+        self.advance(0.25)
+        status = self.status(manager)
+        self.assertEqual(
+            (status["state"], status["sleep_depth"], status["sleep_level"]),
+            ("asleep", "sleeping", 1),
+        )
+        self.assertEqual(text.wake_calls, 0)
+        self.assertFalse(manager.is_awake("text"))
+        before = len(self.looks("text"))
+        text.wake_latency = 1
+        target, inner, _ = self.target(manager)
+        one = target.start(final=True)
+        two = target.start(final=True)
+        self.pump()
+        self.assertEqual(inner.attempts, [])  # held, not forwarded
+        self.advance(1)
+        for attempt in (one, two):
+            result = self.successResultOf(attempt.result)
+            assert isinstance(result, Committed)
+            self.assertEqual(result.status, 200)
+        self.assertEqual(self.looks("text")[before:], WAKE)
+        self.assertEqual(text.wake_sequences, 1)
+        with open(f"{self.state_dir}/{STATE_FILE}") as f:
+            self.assertEqual(json.load(f)["services"]["text"]["intent"], "awake")
+
+    def test_external_offload_and_unknown_depth(self) -> None:
+        """
+        The gauge tells level 2 (offloaded); without the gauge
+        (/is_sleeping) the level is unknown: offloaded holds and 503s.
+        """
+        text = self.fakes["text"]
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        text.force_sleep(2)
+        self.advance(2)
+        status = self.status(manager)
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("asleep", "offloaded")
+        )
+        self.assertEqual(status["sleep_level"], 2)
+        self.serve(manager)
+        text.sleep_state_gauge = False
+        text.force_sleep(1)
+        self.advance(2)
+        self.assertEqual(self.control("text")[-2:], [METRICS, CHECK])
+        status = self.status(manager)
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("asleep", "unknown")
+        )
+        text.wake_latency = 500
+        d = manager.ensure_awake("text")
+        self.advance(179.75, step=5)
+        self.assertNoResult(d)
+        self.advance(0.25)
+        error = self.failureResultOf(d, Waking).value
+        assert isinstance(error, Waking)
+        self.assertEqual((error.depth, error.retry_after), (Depth.OFFLOADED, 60))
+        self.advance(330, step=10)
+        self.assertTrue(manager.is_awake("text"))
+
+    def test_metrics_failing_falls_back(self) -> None:
+        """/metrics answering 500 or dropped: /is_sleeping is asked."""
+        text = self.fakes["text"]
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        text.answer_instead["/metrics"] = 500
+        text.force_sleep(1)
+        self.advance(2)
+        self.assertEqual(self.control("text")[-2:], [METRICS, CHECK])
+        self.assertEqual(self.status(manager)["state"], "asleep")
+        text.answer_instead["/metrics"] = 0
+        text.force_wake()
+        self.advance(2)
+        self.assertEqual(self.control("text")[-2:], [METRICS, CHECK])
+        self.assertEqual(self.status(manager)["state"], "awake")
+
+    def test_external_wake_noticed_idle_timer_armed(self) -> None:
+        """
+        Asleep (nvproxy slept it), woken directly: awake within one poll,
+        and put back to sleep idle_sleep after that.
+        """
+        text = self.fakes["text"]
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        self.successResultOf(manager.sleep("text", 1))
+        self.advance(10)
+        text.force_wake()
+        self.advance(2)
+        self.assertEqual(self.status(manager)["state"], "awake")
+        self.assertEqual(self.status(manager)["sleep_depth"], None)
+        noticed = self.clock.seconds()
+        # the idle clock runs from the notice; polls are not activity
+        self.advance(59.75)
+        self.assertEqual(text.state, EngineState.AWAKE)
+        self.advance(0.25)
+        self.assertEqual(text.sleep_level, 1)
+        self.assertEqual(self.looks("text")[-1], ("POST", "/sleep?level=1&mode=wait"))
+        self.assertEqual(self.status(manager)["last_activity"], noticed)
+        self.assertEqual(text.wake_calls, 0)
+
+    def test_polls_never_wake_and_are_not_activity(self) -> None:
+        """
+        Polls through the idle tiers: the sleeps happen on time, nothing is
+        woken, last_activity stays at the last request.
+        """
+        text = self.fakes["text"]
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        served = self.clock.seconds()
+        self.advance(59.75)
+        self.assertEqual(text.state, EngineState.AWAKE)
+        self.advance(0.25)
+        self.assertEqual(text.sleep_level, 1)
+        self.advance(120)
+        self.assertEqual(text.sleep_level, 2)
+        self.advance(600, step=2)
+        self.assertEqual(text.wake_calls, 0)
+        self.assertEqual(self.status(manager)["last_activity"], served)
+        polls = self.control("text").count(METRICS)
+        self.assertGreater(polls, 300)
+        self.assertEqual(
+            self.looks("text"),
+            [
+                WAKE[0],
+                WAKE[-1],
+                ("POST", "/sleep?level=1&mode=wait"),
+                ("POST", "/sleep?level=2&mode=wait"),
+            ],
+        )
+
+    def test_poll_refreshes_evidence(self) -> None:
+        """While polls answer, an awake service is never re-checked."""
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        for _ in range(5):
+            self.advance(30, step=1)
+            self.serve(manager)
+        self.assertEqual(self.looks("text"), [WAKE[0], WAKE[-1]])
+
+    def test_failing_polls_then_ttl(self) -> None:
+        """
+        Polls unanswered: the evidence ages; past state_ttl the next
+        request re-checks first (GET /is_sleeping, /health).
+        """
+        text = self.fakes["text"]
+        manager = self.manager(poll_interval=2, state_ttl=5)
+        self.serve(manager)  # the first request re-checks (startup look)
+        text.answer_instead.update({"/metrics": 0, "/is_sleeping": 503})
+        self.advance(4)
+        self.serve(manager)  # 4 s old: trusted
+        self.assertEqual(self.looks("text"), [WAKE[0], WAKE[-1], CHECK, CHECK])
+        self.advance(6)
+        text.answer_instead.clear()
+        self.serve(manager)  # 6 s old: re-checked first
+        self.assertEqual(
+            self.looks("text"), [WAKE[0], WAKE[-1], *[CHECK] * 5, WAKE[0], WAKE[-1]]
+        )
+
+    def test_in_flight_request_woken(self) -> None:
+        """
+        A request forwarded just after a direct sleep (before the poll saw
+        it) waits inside the engine; the poll finds the service asleep with
+        that request in flight and wakes it, so the engine completes it.
+        """
+        text = self.fakes["text"]
+        text.crash_on_request_while_asleep = False  # vLLM 0.32: it waits
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        self.advance(1)
+        text.force_sleep(1)
+        target, inner, _ = self.target(manager)
+        attempt = target.start(final=True)
+        self.pump()
+        self.assertEqual(len(inner.attempts), 1)  # forwarded: nvproxy did not know
+        self.assertNoResult(attempt.result)
+        self.assertEqual(text.active, 1)
+        self.advance(1)
+        self.assertEqual(self.status(manager)["state"], "awake")  # woken already
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 200)
+        self.pump()
+        self.assertEqual(self.successResultOf(result.done), StreamEnd.COMPLETE)
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(self.looks("text")[-len(WAKE) :], WAKE)
+        status = self.status(manager)
+        self.assertEqual((status["held_requests"], status["active_requests"]), (0, 0))
+        self.assertEqual([v.kind for v in text.violations], ["request_while_asleep"])
+        del text.violations[:]
+
+    def test_recheck_holds_forwarded(self) -> None:
+        """
+        Without polls: a request forwarded to a directly slept service is
+        held too when a later request's re-check (state_ttl passed) finds
+        the service asleep; one wake answers both.
+        """
+        text = self.fakes["text"]
+        text.crash_on_request_while_asleep = False
+        manager = self.manager()
+        self.serve(manager)
+        text.force_sleep(1)
+        text.wake_latency = 5
+        target, inner, _ = self.target(manager)
+        first = target.start(final=True)
+        self.pump()
+        self.assertEqual(len(inner.attempts), 1)
+        self.advance(11)
+        self.assertNoResult(first.result)
+        second = target.start(final=True)
+        self.pump()
+        self.assertEqual(self.status(manager)["held_requests"], 2)
+        self.advance(5)
+        for attempt in (first, second):
+            result = self.successResultOf(attempt.result)
+            assert isinstance(result, Committed)
+            self.assertEqual(result.status, 200)
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(len(text.violations), 1)
+        del text.violations[:]
+
+    def _stuck(
+        self, final: bool, wake: float = 100, **hold: float
+    ) -> tuple[Any, Any, Any, VllmManager]:
+        """A request forwarded to a directly slept service, a slow wake."""
+        text = self.fakes["text"]
+        text.crash_on_request_while_asleep = False
+        manager = self.manager(poll_interval=2, hold=VllmHold(**hold))
+        self.serve(manager)
+        text.force_sleep(1)
+        text.wake_latency = wake
+        target, inner, client = self.target(manager)
+        attempt = target.start(final=final)
+        self.pump()
+        self.assertEqual(len(inner.attempts), 1)
+        return attempt, inner, client, manager
+
+    def test_in_flight_bounded_by_hold(self) -> None:
+        """
+        The wake takes longer than the level-1 hold: the forwarded request
+        ends at the hold deadline (counted from when it was forwarded) as
+        the depth-aware 503, its upstream request given up; the wake goes on.
+        """
+        text = self.fakes["text"]
+        attempt, inner, client, manager = self._stuck(True, sleeping=5)
+        self.advance(2)
+        status = self.status(manager)
+        self.assertEqual((status["state"], status["held_requests"]), ("waking", 1))
+        self.advance(2.75)
+        self.assertNoResult(attempt.result)
+        self.assertEqual(text.active, 1)
+        self.advance(0.25)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 503)
+        self.assertEqual(self.successResultOf(result.done), StreamEnd.COMPLETE)
+        request = client.request
+        self.assertEqual(request.responseCode, 503)
+        self.assertEqual(request.responseHeaders.getRawHeaders(b"retry-after"), [b"10"])
+        body = json.loads(b"".join(request.written))["error"]
+        self.assertEqual(
+            (body["code"], body["sleep_depth"]), ("model_waking", "sleeping")
+        )
+        self.assertEqual(text.active, 0)  # the engine lost the client
+        status = self.status(manager)
+        self.assertEqual(
+            (status["state"], status["held_requests"], status["active_requests"]),
+            ("waking", 0, 0),
+        )
+        self.assertEqual(
+            self.metrics.get_sample_value(
+                "nvproxy_vllm_waking_503_total",
+                {"service": "text", "depth": "sleeping"},
+            ),
+            1,
+        )
+        self.advance(100, step=5)
+        self.assertTrue(manager.is_awake("text"))
+        self.assertEqual(text.wake_sequences, 1)
+        self.assertEqual(len(text.violations), 1)
+        del text.violations[:]
+
+    def test_in_flight_not_final_retryable(self) -> None:
+        """Not the final attempt: a retryable 503, nothing written."""
+        text = self.fakes["text"]
+        attempt, inner, client, manager = self._stuck(False, sleeping=5)
+        self.advance(5)
+        self.assertEqual(
+            self.successResultOf(attempt.result),
+            AttemptFailed("node", FailureKind.STATUS, 503),
+        )
+        self.assertEqual(client.request.written, [])
+        self.advance(100, step=5)
+        del text.violations[:]
+
+    def test_in_flight_wake_failed(self) -> None:
+        """The wake fails twice: the forwarded request gets the 503 then."""
+        text = self.fakes["text"]
+        attempt, inner, client, manager = self._stuck(True)
+        text.wake_latency = 1
+        text.wake_failures = 2
+        self.advance(3)
+        self.assertNoResult(attempt.result)
+        self.advance(1)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 503)
+        body = json.loads(b"".join(client.request.written))["error"]
+        self.assertIn("failed to wake", body["message"])
+        self.assertEqual(self.status(manager)["state"], "asleep")
+        del text.violations[:]
+
+    def test_in_flight_answered_before_hold(self) -> None:
+        """
+        The engine answers within the hold: the hold is dropped, nothing
+        fires later; a second direct sleep holds the next one anew.
+        """
+        text = self.fakes["text"]
+        attempt, inner, client, manager = self._stuck(True, wake=10, sleeping=30)
+        self.advance(2)
+        self.assertEqual(self.status(manager)["held_requests"], 1)
+        self.advance(10)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 200)
+        self.assertEqual(self.status(manager)["held_requests"], 0)
+        self.pump()
+        self.successResultOf(result.done)
+        # slept directly again, with a new request in flight: held anew
+        second, _, _ = self.target(manager)
+        self.advance(2)
+        text.force_sleep(1)
+        text.wake_latency = 100
+        again = second.start(final=True)
+        self.pump()
+        self.advance(2)
+        self.assertEqual(self.status(manager)["held_requests"], 1)
+        self.advance(28)
+        result = self.successResultOf(again.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 503)
+        self.advance(100, step=5)
+        self.assertEqual(len(text.violations), 2)
+        del text.violations[:]
+
+    def test_status_from_admin_route(self) -> None:
+        """GET /admin/status-like routes read status(): one poll later."""
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        self.fakes["embed"].force_sleep(2)
+        self.advance(2)
+        states = {s["name"]: (s["state"], s["sleep_depth"]) for s in manager.status()}
+        self.assertEqual(
+            states,
+            {
+                "text": ("awake", None),
+                "ocr": ("awake", None),
+                "embed": ("asleep", "offloaded"),
+            },
+        )
+
+    def test_poll_settles_unknown_and_down(self) -> None:
+        """
+        A service whose startup look failed (no idle tier to retry on) and a
+        service that went down are set right by the poll.
+        """
+        ocr = self.fakes["ocr"]
+        ocr.answer_instead["/is_sleeping"] = 500
+        manager = self.manager(poll_interval=2, wake_timeout=3)
+        self.assertEqual(self.status(manager, "ocr")["state"], "unknown")
+        del ocr.answer_instead["/is_sleeping"]
+        self.advance(2)
+        self.assertEqual(self.status(manager, "ocr")["state"], "awake")
+        embed = self.fakes["embed"]
+        embed.set_down()
+        d = manager.wake("embed")
+        d.addErrback(lambda f: None)
+        self.advance(4)
+        self.assertEqual(self.status(manager, "embed")["state"], "down")
+        embed.set_up()
+        embed.force_sleep(1)
+        self.advance(2)
+        status = self.status(manager, "embed")
+        self.assertEqual(
+            (status["state"], status["sleep_depth"]), ("asleep", "sleeping")
+        )
+
+    def test_stale_answer_dropped(self) -> None:
+        """
+        A poll answer that arrives after nvproxy changed the state itself
+        (here: its own sleep) is dropped, not applied.
+        """
+        text = self.fakes["text"]
+        manager = self.manager(poll_interval=2)
+        self.serve(manager)
+        self.hosts.gated.add("/metrics")
+        self.advance(2)  # the polls are sent, their answers wait
+        hosts = [r.getRequestHostname() for r in self.hosts.waiting]
+        self.assertEqual(sorted(hosts), sorted(HOSTS.values()))
+        core = manager._cores["text"]
+        epoch = core.epoch
+        self.successResultOf(manager.sleep("text", 1))
+        self.assertGreater(core.epoch, epoch)
+        text.force_wake()  # so the late answer says "awake"
+        self.hosts.release()
+        self.pump()
+        self.assertEqual(self.control("text")[-1], METRICS)
+        self.assertEqual(self.status(manager)["state"], "asleep")
+        # the next poll is applied
+        self.advance(2)
+        self.assertEqual(self.status(manager)["state"], "awake")
+
+    def test_stop_waits_for_poll_in_flight(self) -> None:
+        """stopService fires once the poll in flight ended (at most 1 s)."""
+        manager = self.manager(poll_interval=2)
+        self.hosts.gated.add("/metrics")
+        self.advance(2)
+        stopped = manager.stopService()
+        self.assertNoResult(stopped)
+        self.hosts.release()
+        self.pump()
+        self.successResultOf(stopped)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        manager.startService()
+        self.pump()
+        self.hosts.gated.add("/metrics")
+        self.advance(2)  # sent, never answered
+        stopped = manager.stopService()
+        self.clock.advance(0.75)
+        self.assertNoResult(stopped)
+        self.clock.advance(0.25)
+        self.successResultOf(stopped)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.hosts.release()
+
+
+class RestartDepthTests(_Harness):
+    def test_restart_during_wake_from_level1(self) -> None:
+        """
+        nvproxy restarts during a wake from level 1: the state file keeps
+        the level, so the new instance's depth is "sleeping" and its 503
+        says Retry-After 10 (not the offloaded 60).
+        """
+        text = self.fakes["text"]
+        hold = VllmHold(sleeping=5, offloaded=50)
+        first = self.manager(hold=hold)
+        self.serve(first)
+        self.successResultOf(first.sleep("text", 1))
+        text.wake_latency = 30
+        held = first.ensure_awake("text")
+        self.advance(1)
+        with open(f"{self.state_dir}/{STATE_FILE}") as f:
+            self.assertEqual(
+                json.load(f)["services"]["text"],
+                {"intent": "waking", "level": 1, "reload_pending": True},
+            )
+        first.stopService()
+        self.failureResultOf(held, ManagerStopped)
+        second = self.manager(hold=hold)
+        status = second.status()[0]
+        self.assertEqual(
+            (status["state"], status["sleep_depth"], status["sleep_level"]),
+            ("waking", "sleeping", 1),
+        )
+        target, inner, client = self.target(second)
+        attempt = target.start(final=True)
+        self.advance(5)
+        result = self.successResultOf(attempt.result)
+        assert isinstance(result, Committed)
+        self.assertEqual(result.status, 503)
+        request = client.request
+        self.assertEqual(request.responseHeaders.getRawHeaders(b"retry-after"), [b"10"])
+        body = json.loads(b"".join(request.written))["error"]
+        self.assertEqual(body["sleep_depth"], "sleeping")
+        self.advance(30, step=1)
+        self.assertTrue(second.is_awake("text"))
+        self.assertEqual(text.wake_sequences, 1)
+
+    def test_restart_during_wake_unknown_level(self) -> None:
+        """No level recorded (asleep at an unknown depth): still offloaded."""
+        text = self.fakes["text"]
+        text.force_sleep(1)
+        text.wake_latency = 30
+        first = self.manager()
+        held = first.ensure_awake("text")
+        self.advance(1)
+        first.stopService()
+        self.failureResultOf(held, ManagerStopped)
+        second = self.manager()
+        self.assertEqual(second.status()[0]["sleep_depth"], "offloaded")
+        self.advance(30, step=1)
+        self.assertTrue(second.is_awake("text"))
+
+
+class ConfigTests(SynchronousTestCase):
+    def test_state_ttl(self) -> None:
+        """engines.vllm.state_ttl: a duration, 0 allowed, vLLM only."""
+        import os
+
+        from nvproxy.config import ConfigError, load_config
+
+        def load(text: str) -> Any:
+            path = self.mktemp()
+            with open(path, "w") as f:
+                f.write(text)
+            home = self.mktemp()
+            os.makedirs(home)
+            return load_config(path, {"state-dir": home}, {"HOME": home})
+
+        self.assertEqual(load("").engines["vllm"].state_ttl, 10.0)
+        config = load('[engines.vllm]\nstate_ttl = "30s"\n')
+        self.assertEqual(config.engines["vllm"].state_ttl, 30.0)
+        self.assertEqual(
+            load('[engines.vllm]\nstate_ttl = "0"\n').engines["vllm"].state_ttl, 0.0
+        )
+        with self.assertRaises(ConfigError) as caught:
+            load('[engines.ollama]\nstate_ttl = "3s"\n')
+        self.assertIn("engines.ollama.state_ttl", str(caught.exception))

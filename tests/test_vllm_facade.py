@@ -37,6 +37,11 @@ HIDDEN = [
 ]
 
 
+def engine_calls(fake: FakeVLLM) -> list[tuple[str, str]]:
+    """What a fake saw, without nvproxy's state polls (GET /metrics)."""
+    return [(m, p) for _, m, p in fake.calls if (m, p) != ("GET", "/metrics")]
+
+
 class VllmFacadeTests(ProxyTestCase):
     async def start(
         self, nodes: dict[str, dict[str, str]] | None = None, **hold: float
@@ -81,11 +86,19 @@ class VllmFacadeTests(ProxyTestCase):
                 break
             await deferLater(reactor, 0.01, lambda: None)
         for fake in (text, embed, ocr):
-            self.assertEqual(
-                [(m, p) for _, m, p in fake.calls], [("GET", "/is_sleeping")]
-            )
+            self.assertEqual(engine_calls(fake), [("GET", "/is_sleeping")])
             del fake.calls[:]
         return proxy, text, embed, ocr
+
+    async def noticed(self, proxy: NvProxy, name: str, state: str) -> None:
+        """Wait until the state poll has seen service C{name} in C{state}."""
+        assert proxy.vllm is not None
+        for _ in range(200):
+            status = {s["name"]: s for s in proxy.vllm.status()}
+            if status[name]["state"] == state:
+                return
+            await deferLater(reactor, 0.01, lambda: None)
+        self.fail(f"{name} not {state}: {status[name]}")
 
     def admin(self, proxy: NvProxy) -> str:
         return f"http://127.0.0.1:{proxy.admin.bound_port()}"
@@ -98,6 +111,7 @@ class VllmFacadeTests(ProxyTestCase):
         """
         proxy, text, _, _ = await self.start()
         text.force_sleep(1)
+        await self.noticed(proxy, "text", "asleep")
         code, _, body = await self.post(
             facade_url(proxy, "vllm") + "/v1/chat/completions",
             {"model": "qwen-text", "messages": [{"role": "user", "content": "hi"}]},
@@ -118,6 +132,7 @@ class VllmFacadeTests(ProxyTestCase):
         proxy, text, _, _ = await self.start()
         text.force_sleep(2)
         text.wake_latency = 0.2
+        await self.noticed(proxy, "text", "asleep")
         url = facade_url(proxy, "vllm") + "/v1/completions"
         answers = await gatherResults(
             [Deferred.fromCoroutine(self.post(url, {"prompt": "x"})) for _ in range(10)]
@@ -134,6 +149,7 @@ class VllmFacadeTests(ProxyTestCase):
         proxy, text, _, _ = await self.start()
         text.force_sleep(1)
         text.wake_latency = 0.2
+        await self.noticed(proxy, "text", "asleep")
         code, headers, body = await self.post(
             facade_url(proxy, "vllm") + "/v1/chat/completions",
             {"model": "Qwen3-Text", "stream": True, "messages": []},
@@ -197,7 +213,7 @@ class VllmFacadeTests(ProxyTestCase):
         self.assertEqual(code, 200)
         ids = sorted(m["id"] for m in json.loads(body)["data"])
         self.assertEqual(ids, ["Embed-8B", "OvisOCR2", "Qwen3-Text"])
-        self.assertEqual([f.calls for f in (text, embed, ocr)], [[], [], []])
+        self.assertEqual([engine_calls(f) for f in (text, embed, ocr)], [[], [], []])
 
     async def test_hidden_endpoints(self) -> None:
         """
@@ -210,7 +226,7 @@ class VllmFacadeTests(ProxyTestCase):
             for method in ("GET", "POST"):
                 code, _, _ = await self.client.request(method, url + path)
                 self.assertEqual(code, 404, f"{method} {path}")
-        self.assertEqual(text.calls, [])
+        self.assertEqual(engine_calls(text), [])
 
     async def test_depth_aware_503_when_down(self) -> None:
         """
@@ -234,6 +250,43 @@ class VllmFacadeTests(ProxyTestCase):
             ("model_waking", "model_waking", "restarting"),
         )
         self.assertIn("estimated_wake_seconds", error)
+
+    async def test_external_sleep_and_wake_noticed(self) -> None:
+        """
+        The service is slept and woken directly on its own port, as vllmctl
+        or a cron job would: a request sent at once is answered (woken
+        through nvproxy, never left waiting inside the engine), and the
+        admin status follows each change within a poll interval.
+        """
+        proxy, text, _, _ = await self.start()
+        assert proxy.vllm is not None
+        self.assertEqual(proxy.vllm.poll_interval, 0.05)  # discovery.poll_interval
+        text.crash_on_request_while_asleep = False  # vLLM 0.32: it waits
+        code, _, _ = await self.client.request("POST", text.url + "/sleep?level=1")
+        self.assertEqual(code, 200)
+        code, _, body = await self.post(
+            facade_url(proxy, "vllm") + "/v1/chat/completions",
+            {"model": "Qwen3-Text", "messages": []},
+        )
+        self.assertEqual(code, 200, body)
+        self.assertEqual(text.wake_sequences, 1)
+        # forwarded before the poll saw the sleep, or held after: either way
+        self.assertIn([v.kind for v in text.violations], ([], ["request_while_asleep"]))
+        del text.violations[:]
+        code, _, _ = await self.client.request("POST", text.url + "/sleep?level=2")
+        self.assertEqual(code, 200)
+        await self.noticed(proxy, "text", "asleep")
+        status = await self._status(proxy)
+        text_status = next(s for s in status["vllm"] if s["name"] == "text")
+        self.assertEqual(
+            (text_status["state"], text_status["sleep_depth"]), ("asleep", "offloaded")
+        )
+        for path in ("/wake_up", "/collective_rpc", "/reset_prefix_cache"):
+            code, _, _ = await self.post(text.url + path, {"method": "reload_weights"})
+            self.assertEqual(code, 200)
+        await self.noticed(proxy, "text", "awake")
+        self.assertEqual(text.wake_sequences, 2)
+        self.assertEqual(text.violations, [])
 
     async def test_admin_sleep_and_wake(self) -> None:
         proxy, text, _, _ = await self.start()
@@ -345,3 +398,45 @@ class VllmFacadeTests(ProxyTestCase):
         self.assertEqual(code, 200)
         self.assertIn("/version", [p for _, _, p in embed.calls])
         self.assertEqual(text.wake_calls, 0)
+
+
+class VllmFacadeMetricsTests(ProxyTestCase):
+    """
+    C{/metrics} on the vLLM front door is a 404 in its dialect: no one
+    service's metrics pass for the front door's, and a sleeping fleet does
+    not turn it into a 502.  nvproxy's own metrics stay on the admin
+    listener.
+    """
+
+    async def test_metrics_not_found(self) -> None:
+        text = FakeVLLM(reactor, model="Qwen3-Text")
+        text.listen(reactor)
+        self.addCleanup(text.stop)
+        config = proxy_config(self.mktemp(), {"vllm": text.url}, admin=True)
+        engines = dict(config.engines)
+        engines["vllm"] = evolve(
+            engines["vllm"],
+            services=(VllmServiceConfig("text", text.url, "Qwen3-Text"),),
+        )
+        proxy = await start_proxy(reactor, evolve(config, engines=engines))
+        self.addCleanup(proxy.stopService)
+        assert proxy.vllm is not None
+        url = facade_url(proxy, "vllm")
+        for asleep in (False, True):
+            if asleep:
+                await proxy.vllm.sleep("text", 1)
+            for path in ("/metrics", "//metrics", "/v1/../metrics"):
+                code, _, body = await self.client.request("GET", url + path)
+                self.assertEqual(code, 404, (path, asleep))
+                error = json.loads(body)["error"]
+                self.assertEqual(
+                    (error["type"], error["code"]), ("not_found_error", 404)
+                )
+                self.assertIn("admin listener", error["message"])
+        # (The answers are nvproxy's own, so none was the engine's; nvproxy
+        # itself may read the engine's /metrics for its sleep state.)
+        self.assertEqual(text.wake_calls, 0)
+        admin = f"http://127.0.0.1:{proxy.admin.bound_port()}/metrics"
+        code, _, body = await self.client.request("GET", admin)
+        self.assertEqual(code, 200)
+        self.assertIn(b"# TYPE", body)

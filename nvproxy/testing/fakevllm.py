@@ -275,6 +275,12 @@ class FakeVLLM:
     * ``answer_instead``: control route path -> the status it answers
       instead of the real answer (``0``: the connection is dropped), e.g.
       ``{"/is_sleeping": 503}`` or ``{"/health": 0}``.
+    * ``sleep_state_gauge``: ``/metrics`` has the ``vllm:engine_sleep_state``
+      gauge (False: an older vLLM without it).
+
+    Sleeping or waking it behind a proxy's back (as ``vllmctl`` or a cron
+    job on its own port would): call its ``/sleep`` and ``/wake_up`` routes
+    directly, or :meth:`force_sleep` and :meth:`force_wake`.
     """
 
     clock: IReactorTime
@@ -294,6 +300,7 @@ class FakeVLLM:
     rpc_failures: int = 0
     rpc_latency: float = 0.0
     answer_instead: dict[str, int] = attrs.field(factory=dict)
+    sleep_state_gauge: bool = True
 
     calls: list[tuple[float, str, str]] = attrs.field(factory=list, init=False)
     """Every request received: (clock time, method, path with query)."""
@@ -359,6 +366,28 @@ class FakeVLLM:
     def force_sleep(self, level: int = 1) -> None:
         """Put the engine to sleep now, as if it had been asleep all along."""
         self._enter_sleep(level)
+
+    def force_wake(self) -> None:
+        """
+        Wake the engine now, weights reloaded, as a complete direct wake
+        sequence would (``/wake_up`` then ``reload_weights``); requests held
+        while it slept start.  A no-op unless it is asleep.
+
+        @raise ValueError: a ``/wake_up`` is running (let it finish).
+        """
+        if self._wake is not None:
+            raise ValueError("a wake is in progress")
+        if self._state is not EngineState.ASLEEP:
+            return
+        self._state = EngineState.AWAKE
+        self._level = None
+        self._sleeping_tags = frozenset()
+        self._weights_loaded = True
+        self._ready_at = self.clock.seconds() + self.health_delay
+        held, self._held = self._held, []
+        for work in held:
+            if not work.exchange.gone:
+                self._start(work)
 
     def set_down(self) -> None:
         """The container died: drop everything in flight, answer nothing."""
@@ -555,7 +584,7 @@ class FakeVLLM:
             "discard_all": 1.0 if asleep and self._level == 2 else 0.0,
         }
         labels = f'engine="0",model_name="{self.model}"'
-        lines = [
+        gauge = [
             "# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means "
             "engine is sleeping; awake = 1 means engine is awake; "
             "weights_offloaded = 1 means sleep level 1; "
@@ -565,6 +594,9 @@ class FakeVLLM:
                 f'vllm:engine_sleep_state{{{labels},sleep_state="{name}"}} {value}'
                 for name, value in states.items()
             ),
+        ]
+        lines = [
+            *(gauge if self.sleep_state_gauge else []),
             "# HELP vllm:num_requests_running Number of requests in model "
             "execution batches.",
             "# TYPE vllm:num_requests_running gauge",

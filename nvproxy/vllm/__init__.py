@@ -15,8 +15,9 @@ Pieces:
 
 Modules: C{_registry} (models, defaults), C{_errors} (depths, the 503
 body), C{_machine} (the per-service state machine and its treq driver of
-the sleep API), C{_manager} (the service, persistence, metrics, admin
-routes), C{_target} (the dispatch target).
+the sleep API), C{_poll} (the state poll and the sleep-state gauge),
+C{_manager} (the service, persistence, metrics, admin routes), C{_target}
+(the dispatch target).
 
 The per-service machine (an Automat TypeMachine; each state's data owns
 what its exits cancel)::
@@ -25,19 +26,30 @@ what its exits cancel)::
     unknown   -                  need            -> waking
                                  check           -> checking    (startup)
                                  begin_sleep     -> sleeping    (admin)
+                                 seen_awake      -> awake       (the state poll)
+                                 seen_asleep     -> asleep
     checking  [check op]         found_awake     -> awake       (idle timer armed)
     (phase                       found_asleep    -> asleep      (known level kept)
      unknown)                    check_failed    -> unknown     (no tier to retry on)
                                  need            -> waking      (check cancelled)
                                  begin_sleep     -> sleeping    (check cancelled)
+                                 seen_awake      -> awake       (check cancelled)
+                                 seen_asleep     -> asleep      (check cancelled)
     awake     [idle timer]       need            -> waking      (state_ttl passed:
                                                                  re-check)
                                  idle_due        -> awake | begin_sleep
                                  quiet           -> awake       (timer re-armed)
                                  begin_sleep     -> sleeping
+                                 seen_awake      -> awake       (evidence refreshed)
+                                 seen_asleep     -> asleep      (slept behind our
+                                                                 back; -> waking
+                                                                 if active)
     asleep    [escalation timer] need            -> waking
                                  idle_due        -> asleep | begin_sleep(2)
                                  begin_sleep     -> sleeping
+                                 seen_asleep     -> asleep      (level updated)
+                                 seen_awake      -> awake       (woken behind our
+                                                                 back; idle armed)
     waking    [wake op]          need            -> waking      (join the wake)
                                  woke            -> awake       (holds released)
                                  wake_failed     -> asleep      (holds: WakeFailed)
@@ -48,11 +60,14 @@ what its exits cancel)::
                                  sleep_failed    -> unknown     (-> waking if held,
                                                                  else -> checking)
     down      -                  need            -> waking
+                                 seen_awake      -> awake       (back up)
+                                 seen_asleep     -> asleep
     any       ...                stop            -> stopped     (ops cancelled,
                                                                  timers cancelled,
                                                                  holds fail)
 
-    Inputs a state has no use for (check, quiet) are no-ops there.
+    Inputs a state has no use for (check, quiet, seen_* in waking,
+    sleeping and stopped) are no-ops there.
 
     admin sleep(level): refused (409) in waking, sleeping, down, or with
     active requests; a no-op when already asleep at least that deep.
@@ -62,13 +77,28 @@ service, not to a state: they outlive the hop sleeping -> asleep -> waking.
 
 Decisions where FD and DESIGN are silent:
 
-* Freshness: an awake service is trusted without any HTTP call while the
-  evidence is at most C{state_ttl} (default 10 s) old.  Evidence is a
-  finished wake or re-check, and every request that ends with an answer from
-  the service below 500 (the startup look is not: nobody asked for it).  A
-  request after a longer quiet spell re-checks once (C{GET /is_sleeping},
-  C{GET /health}) in case somebody slept the service directly (port 8001).
-  C{state_ttl=math.inf} never re-checks.  A re-check that fails while the
+* Freshness: a state poll (L{nvproxy.vllm._poll}) every C{poll_interval}
+  (C{discovery.poll_interval}) reads the C{vllm:engine_sleep_state} gauge
+  on C{/metrics} (C{GET /is_sleeping} when the gauge is absent or
+  C{/metrics} fails), so a service slept or woken directly (port 8001,
+  vllmctl) is seen within one interval at no cost to requests.  Polls never
+  wake and are not activity; they skip a service while nvproxy wakes or
+  sleeps it, and an answer older than the last state change is dropped.
+  Found asleep: C{asleep} at the gauge's level (unknown without it: the
+  level known before stands, else offloaded); with requests active it is
+  woken at once, and the wake holds every request still waiting for its
+  answer from when it was forwarded (see L{WakingTarget}).  Found awake (no
+  reload pending): C{awake}, its idle clock restarted.
+* An awake service is trusted without any HTTP call while the evidence is
+  at most C{state_ttl} (default 10 s) old.  Evidence is a poll that found
+  it awake, a finished wake or re-check, and every request that ends with
+  an answer from the service below 500 (the startup look is not: nobody
+  asked for it).  With working polls the evidence never ages past the
+  interval; while polls fail, a request after C{state_ttl} re-checks once
+  (C{GET /is_sleeping}, C{GET /health}).  C{state_ttl=math.inf} never
+  re-checks.  The TTL is kept (not removed) for that case: a failed poll is
+  not evidence of sleep, so requests go on being forwarded for a bounded
+  while, then pay one re-check.  A re-check that fails while the
   service has active requests does not make it down: like a failed request,
   the held callers get L{WakeFailed}, it stays awake and the next request
   checks again.
@@ -98,13 +128,16 @@ Decisions where FD and DESIGN are silent:
   L{Waking}: the depth-aware 503 of FD §6.2.1) and the service is
   C{asleep} at the depth it had.
 * At startup a service with intent C{awake}/C{waking} is checked by a wake
-  attempt (FD §6.4); every other one gets one non-waking C{GET /is_sleeping}
+  attempt (FD §6.4), with the persisted level as the depth while it is
+  found asleep (a wake from level 1 cut by a restart stays C{sleeping},
+  Retry-After 10); every other one gets one non-waking C{GET /is_sleeping}
   (also after a failed sleep): awake -> C{awake} with its idle timer (a
   rebooted vLLM boots awake whatever we persisted, FD §6.6), asleep ->
   C{asleep} with the persisted level as its depth (none: unknown, counted
   as offloaded).  Without an answer the look is repeated after the first
   idle tier until it settles (no tier: it stays C{unknown}, the next request
-  wakes).  A pending reload found awake is finished by a wake.
+  wakes; the state poll settles it too).  A pending reload found awake is
+  finished by a wake.
 * L{VllmManager} may be started again after C{stopService}: it builds
   fresh machines and recovers from the state file like a new process
   (learned wake times are kept).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -71,6 +72,19 @@ class _Idle:
 
 
 @attrs.define(eq=False)
+class _Forwarded:
+    """
+    A request forwarded to the service that has no answer yet.  If the
+    service turns out to be asleep, C{on_hold} gets a hold (from C{since})
+    that fires once it is awake again, or fails at the hold deadline.
+    """
+
+    since: float
+    on_hold: Callable[[Deferred[None]], None]
+    hold: Deferred[None] | None = None
+
+
+@attrs.define(eq=False)
 class _Op:
     """An operation in flight at the service (a wake or a sleep)."""
 
@@ -124,6 +138,12 @@ class _Inputs(Protocol):
     def idle_due(self) -> None:
         "The idle-tier timer fired."
 
+    def seen_awake(self) -> None:
+        "The state poll found the service awake (and no reload pending)."
+
+    def seen_asleep(self, level: int | None) -> None:
+        "The state poll found the service asleep at C{level} (None: unknown)."
+
     def stop(self) -> None:
         "The manager stops: cancel everything."
 
@@ -142,7 +162,10 @@ class _Core:
         self.name = config.name
         self.clock = manager.clock
         self.base = config.url.rstrip("/")
-        self.phase = "unknown"
+        # bumped by every phase change: a poll answer older than the last
+        # change is dropped
+        self.epoch = 0
+        self._phase = "unknown"
         self.level: int | None = None
         self.unreachable = False
         # a wake sequence started and the weights are not reloaded yet:
@@ -154,12 +177,22 @@ class _Core:
         self.last_activity = self.clock.seconds()
         self.verified_at = -math.inf
         self.holds: list[_Hold] = []
+        self.forwarded: list[_Forwarded] = []
         self.wake_started: float | None = None
         self.waking_from: Depth | None = None
         self.sleep_target: int | None = None
         self.observed: dict[Depth, float] = {}
         self.warned_no_dev_mode = False
         self.last_sleep_error: BaseException | None = None
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        self._phase = phase
+        self.epoch += 1
 
     # -- depth and holds ----------------------------------------------------
 
@@ -183,14 +216,15 @@ class _Core:
         kind = WakeFailed if failed else Waking
         return kind(self.name, self.config.model, depth, self.estimate(depth))
 
-    def add_hold(self, deadline: bool) -> Deferred[None]:
+    def add_hold(self, deadline: bool, arrived: float | None = None) -> Deferred[None]:
         def cancel(d: Deferred[None]) -> None:
             self._drop(hold)
 
-        hold = _Hold(Deferred(cancel), self.clock.seconds())
+        now = self.clock.seconds()
+        hold = _Hold(Deferred(cancel), now if arrived is None else arrived)
         if deadline:
-            wait = self.depth().hold(self.manager.hold)
-            hold.timer = self.clock.callLater(wait, self._expire, hold)
+            wait = hold.arrived + self.depth().hold(self.manager.hold) - now
+            hold.timer = self.clock.callLater(max(0.0, wait), self._expire, hold)
         self.holds.append(hold)
         self.manager.metrics.held(self.name, len(self.holds))
         return hold.deferred
@@ -222,6 +256,16 @@ class _Core:
                 due = hold.arrived + wait
                 if due > hold.timer.getTime():
                     hold.timer.reset(max(0.0, due - now))
+
+    def hold_forwarded(self) -> None:
+        """
+        The service sleeps while requests forwarded to it wait for an
+        answer: hold each (from when it was forwarded) until it is awake.
+        """
+        for forwarded in self.forwarded:
+            if forwarded.hold is None or forwarded.hold.called:
+                forwarded.hold = self.add_hold(True, forwarded.since)
+                forwarded.on_hold(forwarded.hold)
 
     def release(self, error: Exception | None) -> None:
         holds, self.holds = self.holds, []
@@ -276,6 +320,19 @@ class _Core:
         if self.clock.seconds() - self.last_activity < tier[1]:
             return None
         return tier[0]
+
+    # -- what the state poll saw ---------------------------------------------
+
+    def observe(self, sleeping: bool, level: int | None) -> None:
+        """
+        The state poll's answer: asleep at C{level} (None: the poll does not
+        say, the level we know stands), or awake.  Awake with a reload
+        pending is not awake yet: the next request's wake finishes it.
+        """
+        if sleeping:
+            self.machine.seen_asleep(self.level if level is None else level)
+        elif not self.reload_pending:
+            self.machine.seen_awake()
 
     # -- operations ---------------------------------------------------------
 
@@ -515,6 +572,8 @@ class _Core:
         deadline = self.clock.seconds() + manager.wake_timeout
         left = self._left
         if await self._probe(deadline):
+            # requests forwarded before it was found asleep wait for it too
+            self.hold_forwarded()
             depth = self.depth()
             self.waking_from = depth
             manager.metrics.wake(self.name, depth)
@@ -841,6 +900,88 @@ for _state in (awake, asleep):
     _state.upon(_Inputs.quiet).loop()(_rearm)
 for _state in (unknown, checking, waking, sleeping, down, stopped):
     _state.upon(_Inputs.quiet).loop().returns(None)
+
+
+# the state poll: what the service says, whoever slept or woke it
+@awake.upon(_Inputs.seen_awake).loop()
+def _still_awake(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    core.verified_at = core.clock.seconds()  # evidence; not activity
+
+
+@awake.upon(_Inputs.seen_asleep).to(asleep)
+def _slept_behind(inputs: _Inputs, core: _Core, idle: _Idle, level: int | None) -> None:
+    idle.cancel()
+    log.warn(
+        "vLLM service {service} found asleep (level {sleep_level}) while nvproxy"
+        " had it awake; {active} active request(s)",
+        service=core.name,
+        sleep_level=level,
+        active=core.active,
+    )
+    if core.active > 0:
+        # whatever was forwarded waits inside the engine: wake it (the wake
+        # holds each such request, bounded by the hold of the depth)
+        inputs.need()
+
+
+@asleep.upon(_Inputs.seen_asleep).loop()
+def _still_asleep(inputs: _Inputs, core: _Core, idle: _Idle, level: int | None) -> None:
+    if level is not None and level != core.level:
+        log.info(
+            "vLLM service {service} found asleep at level {sleep_level}"
+            " (was {previous})",
+            service=core.name,
+            sleep_level=level,
+            previous=core.level,
+        )
+        core.level = level
+        core.manager.changed(core)
+        core.arm(idle)  # the next tier depends on the level
+
+
+def _log_found(core: _Core, what: str) -> None:
+    log.info(
+        "vLLM service {service} found {found} by the state poll",
+        service=core.name,
+        found=what,
+    )
+
+
+@asleep.upon(_Inputs.seen_awake).to(awake)
+def _woken_behind(inputs: _Inputs, core: _Core, idle: _Idle) -> None:
+    idle.cancel()
+    _log_found(core, "awake")
+
+
+def _seen_awake_nodata(inputs: _Inputs, core: _Core) -> None:
+    _log_found(core, "awake")
+
+
+def _seen_asleep_nodata(inputs: _Inputs, core: _Core, level: int | None) -> None:
+    _log_found(core, "asleep")
+
+
+def _seen_awake_checking(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    op.deferred.cancel()
+    _log_found(core, "awake")
+
+
+def _seen_asleep_checking(
+    inputs: _Inputs, core: _Core, op: _Op, level: int | None
+) -> None:
+    op.deferred.cancel()
+    _log_found(core, "asleep")
+
+
+for _state in (unknown, down):
+    _state.upon(_Inputs.seen_awake).to(awake)(_seen_awake_nodata)
+    _state.upon(_Inputs.seen_asleep).to(asleep)(_seen_asleep_nodata)
+checking.upon(_Inputs.seen_awake).to(awake)(_seen_awake_checking)
+checking.upon(_Inputs.seen_asleep).to(asleep)(_seen_asleep_checking)
+for _state in (waking, sleeping, stopped):
+    # nvproxy's own operation looks for itself
+    _state.upon(_Inputs.seen_awake).loop().returns(None)
+    _state.upon(_Inputs.seen_asleep).loop().returns(None)
 
 
 # stop

@@ -8,18 +8,19 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, gatherResults, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from nvproxy.config import VllmHold, VllmServiceConfig
 from nvproxy.ports import atomic_write
 from nvproxy.vllm._errors import Depth, ManagerStopped, Refused, UnknownService, Waking
-from nvproxy.vllm._machine import _Core, _ServiceMachine
+from nvproxy.vllm._machine import _Core, _Forwarded, _ServiceMachine
+from nvproxy.vllm._poll import _Poller
 from nvproxy.vllm._registry import VllmRegistry
 
 if TYPE_CHECKING:
@@ -100,8 +101,12 @@ class VllmManager(Service):
     control, and persisted wake intent (C{<state_dir>/vllm-state.json}).
 
     @param http: the control-plane treq client (every call to a service).
-    @param state_ttl: how long evidence that a service is awake is trusted
-        without asking it again (the re-check holds the request).
+    @param poll_interval: how often each service's state is polled (its
+        C{vllm:engine_sleep_state} gauge, else C{/is_sleeping}); None: never.
+    @param state_ttl: how long evidence that a service is awake (a poll, a
+        wake, a served request) is trusted; past it, the next request
+        re-checks first (the re-check holds the request).  With polling it
+        only runs out while the polls fail.
     @param health_poll: the interval of C{/health} and C{/is_sleeping} polls.
     @param call_timeout: the timeout of short calls (C{/is_sleeping},
         C{/health}, C{/reset_prefix_cache}).
@@ -121,6 +126,7 @@ class VllmManager(Service):
         clock: IReactorTime,
         state_dir: str,
         *,
+        poll_interval: float | None = None,
         state_ttl: float = 10.0,
         health_poll: float = 0.5,
         call_timeout: float = 10.0,
@@ -132,6 +138,7 @@ class VllmManager(Service):
         self.hold = hold
         self.http = http
         self.clock = clock
+        self.poll_interval = poll_interval
         self.state_ttl = state_ttl
         self.health_poll = health_poll
         self.call_timeout = call_timeout
@@ -143,18 +150,22 @@ class VllmManager(Service):
         self._stopping = False
         self._started = False
         self._cores: dict[str, _Core] = {}
+        self._pollers: dict[str, _Poller] = {}
         self._build()
 
     def _build(self) -> None:
         """One fresh machine per service (learned wake times carry over)."""
         old = self._cores
         self._cores = {}
+        self._pollers = {}
         for service in self.registry.services:
             core = _Core(self, service)
             core.machine = _ServiceMachine(core)
             if service.name in old:
                 core.observed = old[service.name].observed
             self._cores[service.name] = core
+            if self.poll_interval is not None and self.poll_interval > 0:
+                self._pollers[service.name] = _Poller(core, self.poll_interval)
 
     def _core(self, name: str) -> _Core:
         try:
@@ -175,12 +186,20 @@ class VllmManager(Service):
         self._started = True
         self._stopping = False
         self._recover()
+        for poller in self._pollers.values():
+            poller.start()
 
-    def stopService(self) -> None:
+    def stopService(self) -> Deferred[None]:
+        """
+        Stop every machine (holds fail with L{ManagerStopped}); fires once
+        no state poll is in flight any more.
+        """
         super().stopService()  # type: ignore[no-untyped-call]
         self._stopping = True
+        polls = [poller.stop() for poller in self._pollers.values()]
         for core in self._cores.values():
             core.machine.stop()
+        return gatherResults(polls).addCallback(lambda _: None)
 
     def _recover(self) -> None:
         """
@@ -188,7 +207,8 @@ class VllmManager(Service):
         look at every other one once (C{GET /is_sleeping}, no wake): a
         rebooted vLLM boots awake whatever we persisted (FD §6.6), and an
         awake service needs its idle timer.  A persisted level is only the
-        depth if it is found asleep.
+        depth if it is found asleep (also during a wake: a wake from level 1
+        cut by a restart still answers with the level-1 depth).
         """
         saved = self._load()
         for name, core in self._cores.items():
@@ -200,6 +220,7 @@ class VllmManager(Service):
             intent = entry.get("intent")
             level = entry.get("level")
             core.reload_pending = entry.get("reload_pending") is True
+            core.level = level if level in (1, 2) else None
             if intent in ("awake", "waking"):
                 log.info(
                     "vLLM service {service} was {intent}: checking it",
@@ -208,7 +229,6 @@ class VllmManager(Service):
                 )
                 core.machine.need()
             else:
-                core.level = level if level in (1, 2) else None
                 core.machine.check()
 
     def _load(self) -> dict[str, Any]:
@@ -274,6 +294,32 @@ class VllmManager(Service):
         d = core.add_hold(deadline=True)
         core.machine.need()
         return d
+
+    def forwarded(
+        self, name: str, on_hold: Callable[[Deferred[None]], None]
+    ) -> Callable[[], None]:
+        """
+        A request was forwarded to service C{name} (it counts as active
+        already) and waits for its answer.  Should the service turn out to
+        be asleep meanwhile, it is woken and C{on_hold} gets a hold: it
+        fires once the service is awake again, or fails with L{Waking} (or
+        L{WakeFailed}) at the hold deadline of the depth, counted from now.
+
+        @return: call it once the answer came (or the attempt ended): it
+            drops the registration and any hold still pending.
+        """
+        core = self._core(name)
+        entry = _Forwarded(self.clock.seconds(), on_hold)
+        core.forwarded.append(entry)
+
+        def answered() -> None:
+            if entry in core.forwarded:
+                core.forwarded.remove(entry)
+            hold, entry.hold = entry.hold, None
+            if hold is not None and not hold.called:
+                hold.cancel()
+
+        return answered
 
     def request_started(self, name: str) -> None:
         core = self._core(name)

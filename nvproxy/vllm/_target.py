@@ -5,6 +5,7 @@ L{WakingTarget}: a dispatch target that waits for its vLLM service.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from twisted.internet.defer import Deferred, succeed
@@ -46,6 +47,13 @@ class WakingTarget:
       unchanged.
 
     Other failures of the wait (the manager stopped) are TRANSPORT failures.
+
+    Once forwarded, the attempt waits for C{inner}'s answer.  Should the
+    service turn out to be asleep before it came (put to sleep behind
+    nvproxy's back), the manager wakes it and holds this attempt too, from
+    when it was forwarded: the engine answers once awake; if C{inner} has
+    not committed by the hold deadline of the depth (or the wake failed),
+    C{inner} is cancelled and the attempt ends as the depth-aware 503 above.
     """
 
     def __init__(
@@ -76,6 +84,8 @@ class _WakingAttempt:
         self._target = target
         self._final = final
         self._inner: Attempt | None = None
+        self._answered: Callable[[], None] | None = None
+        self._expired: Waking | None = None
         self._over = False
         self._finished = False
         target.manager.request_started(target.service)
@@ -107,9 +117,40 @@ class _WakingAttempt:
             self._fire(AttemptFailed(node, FailureKind.TRANSPORT))
             return
         self._inner = inner
+        self._answered = self._target.manager.forwarded(
+            self._target.service, self._held
+        )
         inner.result.addCallback(self._relay)
 
+    def _held(self, hold: Deferred[None]) -> None:
+        """The service was found asleep while C{inner} waits for it."""
+
+        def expired(failure: Failure) -> None:
+            inner = self._inner
+            error = failure.value
+            if not isinstance(error, Waking) or inner is None:
+                return  # cancelled (answered), or the manager stopped
+            if inner.result.called or self._expired is not None:
+                return
+            log.info(
+                "vLLM service {service} still asleep at the {depth} hold:"
+                " the forwarded request is given up",
+                service=self._target.service,
+                depth=error.depth.value,
+            )
+            self._expired = error
+            inner.cancel()
+
+        hold.addErrback(expired)
+
     def _relay(self, outcome: Committed | AttemptFailed) -> None:
+        answered, self._answered = self._answered, None
+        if answered is not None:
+            answered()
+        if isinstance(outcome, AttemptFailed) and self._expired is not None:
+            self._finish(False)
+            self._waking(self._expired)
+            return
         if isinstance(outcome, Committed):
             served = outcome.status < 500
 
@@ -137,6 +178,11 @@ class _WakingAttempt:
             )
             self._fire(AttemptFailed(node, FailureKind.TRANSPORT))
             return
+        self._waking(error)
+
+    def _waking(self, error: Waking) -> None:
+        """End as the depth-aware 503 (or retryable elsewhere)."""
+        node = self._target.node_id
         self._target.manager.answered_503(self._target.service, error.depth)
         if not self._final and self._target.retry_elsewhere:
             self._fire(AttemptFailed(node, FailureKind.STATUS, 503))
