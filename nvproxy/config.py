@@ -32,7 +32,7 @@ import tomllib
 from collections.abc import Callable, Collection, Mapping
 from decimal import Decimal
 from types import MappingProxyType
-from typing import Final, Literal
+from typing import Final, Literal, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -41,11 +41,13 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from nvproxy.engines import ENGINES
+from nvproxy.logs import LEVELS
 from nvproxy.ports import atomic_write
 
 log = Logger()
 
 LogFormat = Literal["text", "json"]
+LogLevelName = Literal["debug", "info", "warn", "error", "critical"]
 Control = Literal["stdio"]
 
 SYSTEM_STATE_DIR: Final = "/var/lib/nvproxy"
@@ -417,6 +419,7 @@ class Config:
     engines: Mapping[str, EngineConfig]
     node_id: str | None = None
     log_format: LogFormat = "text"
+    log_level: LogLevelName = "info"
     admin_listen: tuple[str, int] = ("127.0.0.1", 8010)
     admin_enabled: bool = True
     dispatch: DispatchConfig = DispatchConfig()
@@ -666,6 +669,7 @@ _TOP_KEYS: Final = (
     "node_id",
     "state_dir",
     "log_format",
+    "log_level",
     "listen_interface",
     "admin",
     "dispatch",
@@ -1106,6 +1110,12 @@ def load_config(
     if value := _pick(overrides, "log-format", document, "", "log_format"):
         log_format = "json" if _choice(value, ("text", "json")) == "json" else "text"
 
+    log_level: LogLevelName = "info"
+    if value := _pick(overrides, "log-level", document, "", "log_level"):
+        if isinstance(value.raw, str):  # any case: NVPROXY_LOG_LEVEL=DEBUG
+            value = attrs.evolve(value, raw=value.raw.lower())
+        log_level = cast(LogLevelName, _choice(value, LEVELS))
+
     listen_interface = "127.0.0.1"
     if value := _pick(overrides, "listen-interface", document, "", "listen_interface"):
         listen_interface = _interface(value)
@@ -1168,6 +1178,7 @@ def load_config(
         node_id=node_id,
         state_dir=state_dir,
         log_format=log_format,
+        log_level=log_level,
         admin_listen=admin_listen,
         admin_enabled=admin_enabled,
         dispatch=dispatch,
@@ -1290,6 +1301,12 @@ class Options(usage.Options):
             'Admin API listen address (loopback HOST:PORT) or "off".',
         ],
         ["log-format", None, None, 'Log format: "text" or "json".'],
+        [
+            "log-level",
+            None,
+            None,
+            'Log level: "debug", "info" (default), "warn", "error" or "critical".',
+        ],
         ["node-id", None, None, "This node's id (default: from the host name)."],
         ["control", None, None, 'Attach the broker link: "stdio".'],
         ["listen-interface", None, None, "Address the facades listen on."],

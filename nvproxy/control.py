@@ -42,6 +42,7 @@ from twisted.python.failure import Failure
 
 from nvproxy.admin import AdminError
 from nvproxy.engines import ENGINES
+from nvproxy.logs import LEVELS
 from nvproxy.scheduler import SchedulerSnapshot
 from nvproxy.workload import WorkloadInfo, notification
 
@@ -215,7 +216,7 @@ class ControlLink(LineOnlyReceiver):
             return {"applied": self._target.apply_priority(_snapshot(params))}
         if name == "log/set-level":
             level = params.get("level")
-            if level not in ("debug", "info", "warn", "error", "critical"):
+            if level not in LEVELS:
                 raise ControlError(INVALID_PARAMS, f"unknown log level {level!r}")
             self._target.set_log_level(level)
             return {"level": level}

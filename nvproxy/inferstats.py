@@ -10,7 +10,10 @@ JSON. :meth:`StatsMeter.finish` parses only the tail window, once:
 * OpenAI ``usage`` (the last SSE event carrying it, or the non-streaming body);
 * Ollama's final record: ``prompt_eval_count`` / ``eval_count`` / ``eval_duration``;
 * llama.cpp ``/completion``: ``tokens_evaluated`` / ``tokens_predicted`` /
-  ``timings`` (llama.cpp's OpenAI routes add ``timings`` next to ``usage``).
+  ``timings`` (llama.cpp's OpenAI routes add ``timings`` next to ``usage``, and
+  put it alone on the finishing chunk of a stream without ``include_usage``).
+  Its prompt count is ``prompt_n + cache_n``: ``prompt_n`` counts only the
+  tokens evaluated for this request, not those taken from the prompt cache.
 
 Every shape is recognised under every dialect (Ollama also serves OpenAI routes);
 the dialect only says how a body without a usage report is framed when it is
@@ -439,6 +442,11 @@ def _report(record: dict[str, Any]) -> _Report | None:
     if isinstance(timings, dict):
         completion = _int(timings.get("predicted_n"))
         prompt = _int(timings.get("prompt_n"))
+        cached = _int(timings.get("cache_n"))
+        if prompt is not None and cached is not None:
+            # prompt_n counts only the tokens evaluated for this request; the
+            # rest of the prompt came from llama.cpp's prompt cache.
+            prompt += cached
         if completion is not None or prompt is not None:
             return _Report(prompt, completion, _timings_rate(timings))
     return None

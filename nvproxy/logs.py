@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Final
 
 from twisted.logger import (
     FileLogObserver,
@@ -73,14 +73,40 @@ def text_observer(out: IO[str] | None = None) -> ILogObserver:
     return FileLogObserver(stream, formatEventAsClassicLogText)
 
 
+LEVELS: Final = ("debug", "info", "warn", "error", "critical")
+"""The level names C{--log-level} and C{log/set-level} accept."""
+
 _level = LogLevelFilterPredicate(defaultLogLevel=LogLevel.info)
 
 
 def set_level(level: str) -> None:
     """
-    Change the level of the running log output (C{log/set-level}).
+    Change the level of the log output, also while it runs
+    (C{log/set-level}): every observer made by L{level_filtered} follows.
+
+    @raise ValueError: not one of L{LEVELS}.
     """
-    _level.defaultLogLevel = LogLevel.levelWithName(level)
+    if level not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}")
+    new = LogLevel.levelWithName(level)
+    # The predicate reads its per-namespace table, which copies
+    # defaultLogLevel only when it is built (or cleared): set both.
+    _level.defaultLogLevel = new
+    _level.setLogLevelForNamespace("", new)
+
+
+def current_level() -> str:
+    """The name of the level the log output is filtered at."""
+    name: str = _level.logLevelForNamespace("").name
+    return name
+
+
+def level_filtered(observer: ILogObserver) -> ILogObserver:
+    """
+    C{observer} behind the process-wide level filter that L{set_level}
+    changes.
+    """
+    return FilteringLogObserver(observer, [_level])
 
 
 _twistd_settings: dict[str, object] = {
@@ -117,8 +143,9 @@ def configure_twistd(
 def twistd_observer() -> ILogObserver:
     """
     The observer twistd logs to: our format, at our level (default info:
-    per-request routing detail is debug, spec §9; C{NVPROXY_LOG_LEVEL=debug}
-    shows it), where twistd would put it: stdout with C{-n} or
+    per-request routing detail is debug, spec §9; C{--log-level debug} or
+    C{NVPROXY_LOG_LEVEL=debug} shows it, C{log/set-level} changes it while
+    running), where twistd would put it: stdout with C{-n} or
     C{--logfile -}, else the log file (default C{twistd.log}).
     """
     settings = _twistd_settings
@@ -133,4 +160,4 @@ def twistd_observer() -> ILogObserver:
         out = open(logfile or "twistd.log", "a", encoding="utf-8")
     inner = json_observer(out) if settings["format"] == "json" else text_observer(out)
     set_level(str(settings["level"]))
-    return FilteringLogObserver(inner, [_level])
+    return level_filtered(inner)

@@ -1,18 +1,25 @@
 # -*- test-case-name: tests.test_ports -*-
 """
-Persisted facade ports (spec §8).
+Operator choices persisted in C{state_dir}: facade ports (spec §8) and node
+selections.
 
 A port chosen at runtime (C{set-port}) is written per engine to
 C{<state_dir>/<engine.port_file>} as C{{"port": N}} and restored when that
 facade is enabled, taking precedence over the configured port, so the facade
 returns where the user left it.  A broker-coordinated start may bypass it
 (C{ignore_persisted}).
+
+A node selected for an engine (C{select ENGINE NODE}, the broker's
+C{ENGINE:node/select}) is written, with every other engine's, to
+C{<state_dir>/selected-nodes.json} as C{{"selected": {"ollama": "gpu-2"}}}
+and restored at start; clearing the last one removes the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from attrs import frozen
@@ -27,7 +34,13 @@ from nvproxy.files import atomic_write
 
 log = Logger()
 
-__all__ = ["PortStore", "atomic_write", "effective_port", "valid_port"]
+__all__ = [
+    "PortStore",
+    "SelectionStore",
+    "atomic_write",
+    "effective_port",
+    "valid_port",
+]
 
 
 def valid_port(port: object) -> bool:
@@ -114,6 +127,74 @@ class PortStore:
             os.unlink(self.path(engine_id))
         except FileNotFoundError:
             pass
+
+
+@frozen
+class SelectionStore:
+    """
+    The persisted node selections (pins) of one node, in C{state_dir}.
+    """
+
+    state_dir: str
+
+    FILE = "selected-nodes.json"
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.state_dir, self.FILE)
+
+    def load(self) -> dict[str, str]:
+        """
+        The persisted selections, engine id -> node id.  A file that cannot
+        be read or parsed is ignored with a warning, and so is an entry for
+        an unknown engine or without a node id.
+        """
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            self._ignore(f"cannot read: {e.strerror or e}")
+            return {}
+        try:
+            document = json.loads(data)
+        except ValueError:
+            self._ignore("not JSON")
+            return {}
+        selected = document.get("selected") if isinstance(document, dict) else None
+        if not isinstance(selected, dict):
+            self._ignore('expected {"selected": {"ENGINE": "NODE", ...}}')
+            return {}
+        result: dict[str, str] = {}
+        for engine_id, node in selected.items():
+            if engine_id not in ENGINES or not isinstance(node, str) or not node:
+                self._ignore(f"bad entry for {engine_id!r}")
+                continue
+            result[engine_id] = node
+        return result
+
+    def save(self, selected: Mapping[str, str]) -> None:
+        """
+        Persist the whole set of selections; none removes the file.
+
+        @raise OSError: it could not be written or removed.
+        """
+        if not selected:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            return
+        document = {"selected": dict(sorted(selected.items()))}
+        atomic_write(self.path, json.dumps(document).encode("utf-8") + b"\n")
+
+    def _ignore(self, problem: str) -> None:
+        log.warn(
+            "ignoring persisted node selections in {path}: {problem}",
+            path=self.path,
+            problem=problem,
+        )
 
 
 def effective_port(

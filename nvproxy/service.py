@@ -93,16 +93,10 @@ class Options(_config.Options):
             print(f"nvproxy: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         parent = getattr(self, "parent", None)
-        level = os.environ.get("NVPROXY_LOG_LEVEL", "info").strip().lower()
-        if level not in ("debug", "info", "warn", "error", "critical"):
-            raise usage.UsageError(
-                f"NVPROXY_LOG_LEVEL: must be debug, info, warn, error or critical, "
-                f"got {level!r}"
-            )
         if parent is not None and not parent.get("logger"):
             parent["logger"] = configure_twistd(
                 self.config.log_format,
-                level,
+                self.config.log_level,
                 parent.get("logfile"),
                 bool(parent.get("nodaemon")),
                 stderr=self.config.control == "stdio",
@@ -275,7 +269,15 @@ class NvProxy(MultiService):
             self.server_tls = ServerTLS(lambda: cluster.current)
         self.reactor = reactor
         self.node_id = node_id
-        self.pins: dict[str, str] = {}
+        # Node selections survive a restart (nvproxy.ports.SelectionStore).
+        self.selections = SelectionStore(config.state_dir)
+        self.pins: dict[str, str] = self.selections.load()
+        for engine_id, pinned in sorted(self.pins.items()):
+            log.info(
+                "{engine}: restored selection of node {node}",
+                engine=engine_id,
+                node=pinned,
+            )
         self.ports = PortStore(config.state_dir)
         self.registry = CollectorRegistry()
         # Persisted ports (§8) win over configured ones; a default backend
@@ -718,6 +720,19 @@ class NvProxy(MultiService):
     def select(self, engine: str, node: str | None) -> Mapping[str, Any]:
         if engine not in self.facades:
             raise AdminError(404, f"engine {engine!r} is not enabled")
+        pins = dict(self.pins)
+        if node is None:
+            pins.pop(engine, None)
+        else:
+            pins[engine] = node
+        try:
+            # Persisted first: a selection that would not survive a restart
+            # is refused, not half applied.
+            self.selections.save(pins)
+        except OSError as e:
+            raise AdminError(
+                500, f"cannot persist the selection: {e.strerror or e}"
+            ) from None
         if node is None:
             self.pins.pop(engine, None)
         else:

@@ -232,20 +232,29 @@ class EndpointFactory:
             # not; plain ones are reusable, so build each once.
             cached = self._plain.get((host, port))
             if cached is None:
-                cached = self._plain[host, port] = HostnameEndpoint(
-                    self._reactor, host, port, timeout=self._timeout, attemptDelay=0
-                )
+                cached = self._plain[host, port] = self._tcp(host, port)
             return cached
         # https: the creator may change with the cluster's pins, so the
         # endpoint is built for each new connection.
         creator = self._tls_for(host, port) if self._tls_for else None
         if creator is None:
             creator = optionsForClientTLS(host)
-        return wrapClientTLS(
-            creator,
-            HostnameEndpoint(
-                self._reactor, host, port, timeout=self._timeout, attemptDelay=0
-            ),
+        return wrapClientTLS(creator, self._tcp(host, port))
+
+    def _tcp(self, host: str, port: int) -> IStreamClientEndpoint:
+        """
+        An IP literal is dialled directly.  L{HostnameEndpoint} would resolve
+        it in a thread first, and a dial cancelled during that resolution
+        (or a resolution that fails) surfaces as C{DNSLookupError}, so a
+        refused or abandoned connection to C{127.0.0.1} could be logged as a
+        failed DNS lookup.
+        """
+        if isIPAddress(host):
+            return TCP4ClientEndpoint(self._reactor, host, port, timeout=self._timeout)
+        if isIPv6Address(host):
+            return TCP6ClientEndpoint(self._reactor, host, port, timeout=self._timeout)
+        return HostnameEndpoint(
+            self._reactor, host, port, timeout=self._timeout, attemptDelay=0
         )
 
 

@@ -537,3 +537,82 @@ class DisconnectTests(ProxyTestCase):
         self.assertEqual(fake.pending, 0)
         workload = proxy.workloads.recent(1)[0]["workloadInfo"]
         self.assertEqual(workload["state"], "cancelled")
+
+
+class DialTests(TestCase):
+    """
+    L{nvproxy.upstream.EndpointFactory} dials an IP literal directly, so a
+    refused or abandoned connection is reported as what it is, never as a
+    failed DNS lookup.
+    """
+
+    def factory(self, on: Any = reactor) -> Any:
+        from nvproxy.upstream import EndpointFactory
+
+        return EndpointFactory(on, 7.0)
+
+    def endpoint(self, url: bytes, on: Any = reactor) -> Any:
+        from twisted.web.client import URI
+
+        return self.factory(on).endpointForURI(URI.fromBytes(url))
+
+    def connect(self, endpoint: Any) -> Deferred[Any]:
+        from twisted.internet.protocol import Factory
+
+        connected: Deferred[Any] = endpoint.connect(Factory.forProtocol(Protocol))
+        return connected
+
+    def test_ip_literal_dialled_directly(self) -> None:
+        """
+        An IPv4 or IPv6 literal is connected at once, with the dial timeout
+        and without name resolution first.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+
+        for url, host in (
+            (b"http://127.0.0.1:9/x", "127.0.0.1"),
+            (b"http://[::1]:9/x", "::1"),
+        ):
+            memory = MemoryReactorClock()
+            self.connect(self.endpoint(url, memory))
+            self.assertEqual(
+                [(h, port, timeout) for h, port, _, timeout, _ in memory.tcpClients],
+                [(host, 9, 7.0)],
+            )
+
+    def test_endpoint_cached(self) -> None:
+        """
+        A plain endpoint is built once per host and port.
+        """
+        from twisted.web.client import URI
+
+        factory = self.factory()
+        first = factory.endpointForURI(URI.fromBytes(b"http://127.0.0.1:9/a"))
+        again = factory.endpointForURI(URI.fromBytes(b"http://127.0.0.1:9/b"))
+        other = factory.endpointForURI(URI.fromBytes(b"http://127.0.0.1:10/a"))
+        self.assertIs(again, first)
+        self.assertIsNot(other, first)
+
+    async def test_refused_is_refused(self) -> None:
+        """
+        A closed loopback port fails as a refused connection.
+        """
+        from twisted.internet.error import ConnectionRefusedError
+
+        url = b"http://127.0.0.1:%d/" % free_port()
+        with self.assertRaises(ConnectionRefusedError):
+            await self.connect(self.endpoint(url))
+
+    async def test_cancelled_dial_is_not_dns(self) -> None:
+        """
+        A dial to an IP literal cancelled at once (an attempt abandoned while
+        connecting) fails as a cancelled connection attempt; resolving the
+        literal first made it C{DNSLookupError}.
+        """
+        from twisted.internet.error import ConnectingCancelledError
+
+        url = b"http://127.0.0.1:%d/" % free_port()
+        d = self.connect(self.endpoint(url))
+        d.cancel()
+        with self.assertRaises(ConnectingCancelledError):
+            await d

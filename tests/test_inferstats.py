@@ -313,6 +313,54 @@ class StatsMeterTests(SynchronousTestCase):
         )
         self.assertEqual(measure("llamacpp", [body]), Stats(12, 340, 50.0, 0))
 
+    def test_llamacpp_stream_timings_count_cached_prompt(self) -> None:
+        """
+        A llama.cpp chat stream without C{include_usage} reports only
+        C{timings} on its finishing chunk; the prompt is C{prompt_n} (the
+        tokens evaluated now) plus C{cache_n} (those from the prompt cache),
+        as llama-server reports a repeated prompt.
+        """
+        timings = {
+            "cache_n": 33,
+            "prompt_n": 1,
+            "prompt_ms": 12.5,
+            "predicted_n": 20,
+            "predicted_ms": 400.0,
+            "predicted_per_second": 50.0,
+        }
+        finishing = {**FINISHING, "timings": timings}
+        body = sse(ROLE_ONLY, *TOKENS, finishing, "[DONE]")
+        self.assertEqual(measure("llamacpp", [body]), Stats(34, 20, 50.0, 0))
+        # An engine that sends no cache_n: prompt_n is all there is.
+        finishing["timings"] = {k: v for k, v in timings.items() if k != "cache_n"}
+        body = sse(ROLE_ONLY, *TOKENS, finishing, "[DONE]")
+        self.assertEqual(measure("llamacpp", [body]), Stats(1, 20, 50.0, 0))
+        # Found by its key at the end of a window that cut the record.
+        body = sse({**FINISHING, "padding": "p" * 20_000, "timings": timings}, "[DONE]")
+        stats = measure("llamacpp", [body], tail_bytes=4096)
+        self.assertEqual(stats and stats.promptTokens, 34)
+
+    def test_llamacpp_usage_not_summed_with_cache(self) -> None:
+        """
+        C{usage.prompt_tokens} and C{tokens_evaluated} already count the
+        whole prompt: C{cache_n} next to them is not added again.
+        """
+        timings = {"cache_n": 33, "prompt_n": 1, "predicted_per_second": 50.0}
+        body = sse(
+            *TOKENS,
+            {
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                "usage": {**USAGE, "prompt_tokens": 34},
+                "timings": timings,
+            },
+            "[DONE]",
+        )
+        stats = measure("llamacpp", [body])
+        self.assertEqual(stats and stats.promptTokens, 34)
+        final = {**LLAMACPP_FINAL, "tokens_evaluated": 34, "timings": timings}
+        stats = measure("llamacpp", [sse({"content": "a", "stop": False}, final)])
+        self.assertEqual(stats and stats.promptTokens, 34)
+
     def test_estimate_discounts_tokenless_events(self) -> None:
         """
         An estimate counts neither the finishing chunk nor a role-only opening

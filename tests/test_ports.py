@@ -7,15 +7,29 @@ from __future__ import annotations
 import json
 import os
 
+from attrs import evolve
 from hypothesis import given
 from hypothesis import strategies as st
-from twisted.internet.testing import EventLoggingObserver
+from twisted.internet.testing import (
+    EventLoggingObserver,
+    MemoryReactorClock,
+    StringTransport,
+)
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvproxy.admin import AdminError
 from nvproxy.config import EngineConfig
 from nvproxy.engines import ENGINES
-from nvproxy.ports import PortStore, atomic_write, effective_port, valid_port
+from nvproxy.ports import (
+    PortStore,
+    SelectionStore,
+    atomic_write,
+    effective_port,
+    valid_port,
+)
+from nvproxy.service import NvProxy, build
+from nvproxy.testing.harness import proxy_config
 
 
 class PortStoreTests(SynchronousTestCase):
@@ -262,4 +276,168 @@ class ValidPortTests(SynchronousTestCase):
         self.assertEqual(
             [valid_port(p) for p in (1, 65535, 0, 65536, -1, True, 1.0, "1", None)],
             [True, True, False, False, False, False, False, False, False],
+        )
+
+
+class SelectionStoreTests(SynchronousTestCase):
+    """
+    L{SelectionStore} persists every engine's selected node in one file.
+    """
+
+    def setUp(self) -> None:
+        self.state_dir = os.path.join(self.mktemp(), "state")
+        self.store = SelectionStore(self.state_dir)
+
+    def write(self, data: bytes) -> None:
+        os.makedirs(self.state_dir, exist_ok=True)
+        with open(self.store.path, "wb") as f:
+            f.write(data)
+
+    def test_nothing_persisted(self) -> None:
+        self.assertEqual(self.store.load(), {})
+
+    def test_save_and_load(self) -> None:
+        self.store.save({"vllm": "gpu-3", "ollama": "gpu-2"})
+        self.assertEqual(os.path.basename(self.store.path), "selected-nodes.json")
+        with open(self.store.path, "rb") as f:
+            self.assertEqual(
+                json.loads(f.read()), {"selected": {"ollama": "gpu-2", "vllm": "gpu-3"}}
+            )
+        restored = SelectionStore(self.state_dir).load()
+        self.assertEqual(restored, {"ollama": "gpu-2", "vllm": "gpu-3"})
+
+    def test_none_left_removes_file(self) -> None:
+        self.store.save({"ollama": "gpu-2"})
+        self.store.save({})
+        self.assertFalse(os.path.exists(self.store.path))
+        self.store.save({})  # nothing to remove is fine
+        self.assertEqual(self.store.load(), {})
+
+    def test_corrupt_files_ignored(self) -> None:
+        """
+        An unreadable document is ignored as a whole, a bad entry alone;
+        each with a warning.
+        """
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        for data in (b"not json", b"[]", b'{"selected": ["ollama"]}', b"{}"):
+            self.write(data)
+            self.assertEqual(self.store.load(), {}, data)
+        self.write(
+            json.dumps(
+                {
+                    "selected": {
+                        "ollama": "gpu-2",
+                        "nope": "x",
+                        "vllm": "",
+                        "lmstudio": 3,
+                    }
+                }
+            ).encode()
+        )
+        self.assertEqual(self.store.load(), {"ollama": "gpu-2"})
+        self.assertEqual(len(events), 7)
+        self.assertTrue(all(e["log_level"] is LogLevel.warn for e in events))
+
+    def test_failed_write_keeps_old_file(self) -> None:
+        self.store.save({"ollama": "gpu-2"})
+
+        def failingReplace(source: str, destination: str) -> None:
+            raise OSError(28, "No space left on device")
+
+        self.patch(os, "replace", failingReplace)
+        self.assertRaises(OSError, self.store.save, {"ollama": "gpu-9"})
+        self.assertEqual(os.listdir(self.state_dir), ["selected-nodes.json"])
+        self.assertEqual(self.store.load(), {"ollama": "gpu-2"})
+
+
+class PersistedSelectionTests(SynchronousTestCase):
+    """
+    C{select} (the admin API's and the broker's C{node/select}) persists the
+    pin in C{state_dir}; a new nvproxy over the same directory restores it.
+    """
+
+    def setUp(self) -> None:
+        self.state_dir = self.mktemp()
+        self.config = proxy_config(
+            self.state_dir,
+            {"ollama": "http://127.0.0.1:1", "llamacpp": "http://127.0.0.1:2"},
+        )
+
+    def proxy(self) -> NvProxy:
+        return build(self.config, MemoryReactorClock(), hostname="local")
+
+    def selected(self, proxy: NvProxy) -> dict[str, str | None]:
+        return {f["engine"]: f["selected"] for f in proxy.status()["facades"]}
+
+    def test_pin_restored(self) -> None:
+        first = self.proxy()
+        first.select("ollama", "gpu-2")
+        first.select("llamacpp", "gpu-3")
+        second = self.proxy()
+        self.assertEqual(second.pins, {"ollama": "gpu-2", "llamacpp": "gpu-3"})
+        self.assertEqual(
+            self.selected(second), {"ollama": "gpu-2", "llamacpp": "gpu-3"}
+        )
+
+    def test_unselect_persisted(self) -> None:
+        first = self.proxy()
+        first.select("ollama", "gpu-2")
+        first.select("llamacpp", "gpu-3")
+        first.select("ollama", None)
+        self.assertEqual(self.proxy().pins, {"llamacpp": "gpu-3"})
+        first.select("llamacpp", None)
+        self.assertEqual(self.proxy().pins, {})
+        self.assertEqual(os.listdir(self.state_dir), [])
+
+    def test_unpersisted_selection_refused(self) -> None:
+        """
+        A selection that cannot be written is refused and changes nothing.
+        """
+        proxy = self.proxy()
+        proxy.select("ollama", "gpu-2")
+
+        def failingReplace(source: str, destination: str) -> None:
+            raise OSError(28, "No space left on device")
+
+        self.patch(os, "replace", failingReplace)
+        with self.assertRaises(AdminError) as raised:
+            proxy.select("ollama", "gpu-9")
+        self.assertEqual(
+            (raised.exception.status, raised.exception.message),
+            (500, "cannot persist the selection: No space left on device"),
+        )
+        self.assertEqual(proxy.pins, {"ollama": "gpu-2"})
+        self.assertEqual(self.proxy().pins, {"ollama": "gpu-2"})
+
+    def test_broker_select_persisted(self) -> None:
+        """
+        The broker's C{ENGINE:node/select} persists and clears the same way.
+        """
+        config = evolve(self.config, control="stdio")
+        proxy = build(config, MemoryReactorClock(), hostname="local")
+        link = proxy.link
+        assert link is not None
+        transport = StringTransport()
+        link.makeConnection(transport)
+
+        def send(method: str, params: dict[str, object]) -> None:
+            request = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+            link.dataReceived(json.dumps(request).encode() + b"\n")
+
+        send("facade/enable", {"engine": "ollama", "port": 11999})
+        send("ollama:node/select", {"nodeId": "gpu-2"})
+        self.assertEqual(build(config, MemoryReactorClock()).pins, {"ollama": "gpu-2"})
+        send("ollama:node/select", {"nodeId": None})
+        self.assertEqual(build(config, MemoryReactorClock()).pins, {})
+        answers = [json.loads(line) for line in transport.value().splitlines()]
+        self.assertEqual(
+            [
+                a["result"]
+                for a in answers
+                if "result" in a and "selected" in a["result"]
+            ],
+            [
+                {"engine": "ollama", "selected": "gpu-2"},
+                {"engine": "ollama", "selected": None},
+            ],
         )

@@ -291,14 +291,21 @@ class LlamaCppContract(_Base):
     async def test_workload_stats_stream_without_usage(self) -> None:
         """
         A stream that did not ask for usage still yields exact counts: the
-        engine puts C{timings} on the finishing chunk.
+        engine puts C{timings} on the finishing chunk.  The prompt counts in
+        full although the same prompt, asked just before, came from the
+        engine's prompt cache (C{prompt_n + cache_n}).
         """
+        self.generates(MAX_TOKENS)
+        code, _, body = await self.post("/v1/chat/completions", self.chat())
+        self.assertEqual(code, 200, body)
+        prompt_tokens = json.loads(body)["usage"]["prompt_tokens"]
         self.generates(MAX_TOKENS)
         code, _, body = await self.post("/v1/chat/completions", self.chat(stream=True))
         self.assertEqual(code, 200, body)
         self.assertEqual(sse_data(body)[-1], "[DONE]")
         stats = (await self.terminal_workload())["workloadInfo"]["stats"]
         self.assertEqual(stats["completionTokens"], MAX_TOKENS)
+        self.assertEqual(stats["promptTokens"], prompt_tokens)
         self.assertNotIn("estimated", stats)
 
     async def test_responses_api(self) -> None:
