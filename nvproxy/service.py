@@ -793,3 +793,20 @@ def makeService(options: usage.Options) -> NvProxy:
         engines=",".join(service.facades) or "none (waiting for facade/enable)",
     )
     return service
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident set size: C{/proc/self/statm}, else C{resource}."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:
+        return None
+    # ru_maxrss is the peak, in KiB on Linux and bytes on macOS: a fallback.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import sys
+from unittest import SkipTest
 
 from attrs import evolve
 from twisted.internet import reactor
@@ -111,6 +112,31 @@ class AdminTests(ProxyTestCase):
         code, out = await ctl("--admin", "127.0.0.1:1", "status")
         self.assertEqual(code, 1)
         self.assertIn("cannot reach the admin API", out)
+
+    async def test_status_process(self) -> None:
+        """
+        C{/admin/status} reports the process's open fds, pending DelayedCalls
+        and RSS, for a harness outside the process to watch for leaks.
+        """
+        if not os.path.isdir("/proc/self/fd"):
+            raise SkipTest("needs /proc")
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url}, admin=True)
+        admin = f"http://127.0.0.1:{proxy.admin.bound_port()}"
+        code, _, body = await self.client.request("GET", admin + "/admin/status")
+        self.assertEqual(code, 200, body)
+        process = json.loads(body)["process"]
+        self.assertEqual(sorted(process), ["delayed_calls", "open_fds", "rss_bytes"])
+        # The daemon runs in this process: the same fd table, reactor, memory.
+        fds = len(os.listdir("/proc/self/fd"))
+        self.assertLessEqual(abs(process["open_fds"] - fds), 5)
+        self.assertGreaterEqual(process["delayed_calls"], 1)  # discovery polling
+        self.assertLessEqual(
+            process["delayed_calls"], len(reactor.getDelayedCalls()) + 5
+        )
+        with open("/proc/self/statm", "rb") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        self.assertLess(abs(process["rss_bytes"] - rss), 16 << 20)
 
     def test_ctl_usage(self) -> None:
         from nvproxy.ctl import main
