@@ -22,7 +22,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
-from nvproxy.upstream import BytesProducer
+from nvproxy.proxy.upstream import BytesProducer
 
 Now = Callable[[], float]
 

@@ -6,7 +6,7 @@ A L{Dispatcher} runs one Job per client request.  A Job resolves owners,
 starts L{Attempt}s on L{Target}s, absorbs failures that happen before the
 engine begins producing output, backs off between rounds, and ends in exactly
 one L{JobOutcome}.  It is pure logic over an injected clock, an injected
-random source and the protocols below; HTTP lives in L{nvproxy.attempt}.
+random source and the protocols below; HTTP lives in L{nvproxy.proxy.attempt}.
 
 The machine (an Automat TypeMachine; each state's data owns what must be
 cancelled when the job stops)::

@@ -53,16 +53,16 @@ from nvproxy.control import ControlLink
 from nvproxy.discovery import Discovery, Endpoint, NodeEntry, PollingDiscovery
 from nvproxy.dispatch import Dispatcher, DispatchPolicy
 from nvproxy.engines import ENGINES
-from nvproxy.facade import Facade
-from nvproxy.listener import DemuxFactory, tls_personality
 from nvproxy.logs import configure_twistd, set_level
 from nvproxy.metrics import Metrics
 from nvproxy.outliers import EjectionPolicy, OutlierTable
-from nvproxy.pathnorm import is_hidden
 from nvproxy.ports import PortStore, SelectionStore, effective_port
+from nvproxy.proxy.facade import Facade
+from nvproxy.proxy.listener import DemuxFactory, tls_personality
+from nvproxy.proxy.pathnorm import is_hidden
+from nvproxy.proxy.site import FacadeSite
+from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.scheduler import ReservationMap, SchedulerSnapshot
-from nvproxy.site import FacadeSite
-from nvproxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.vllm import VllmManager, admin_routes
 from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
 

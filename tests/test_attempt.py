@@ -1,5 +1,5 @@
 """
-Unit tests for L{nvproxy.attempt.HttpAttempt}: the header and first-body
+Unit tests for L{nvproxy.proxy.attempt.HttpAttempt}: the header and first-body
 timeouts, the commit gate and the commit-versus-cancel claim (spec §5.2,
 §5.3), with a fake agent, real C{Response} objects and a C{Clock}.
 """
@@ -20,18 +20,20 @@ from twisted.web._newclient import Response, TransportProxyProducer
 from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.http_headers import Headers
 
-from nvproxy.attempt import (
-    CUT_GRACE,
+from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
+from nvproxy.proxy.attempt import (
     DRAIN_LIMIT,
     DRAIN_TIMEOUT,
+    HttpAttempt,
+    UpstreamRequest,
+)
+from nvproxy.proxy.client import (
+    CUT_GRACE,
     IDLE_MESSAGE,
     TRUNCATED_MESSAGE,
     ClientSide,
-    HttpAttempt,
-    UpstreamRequest,
     error_frame,
 )
-from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
 
 TIMEOUT = 30.0
 

@@ -1,5 +1,5 @@
 """
-Tests for L{nvproxy.bodies}: finding the model without holding the body.
+Tests for L{nvproxy.proxy.bodies}: finding the model without holding the body.
 """
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvproxy import bodies
-from nvproxy.bodies import BadBody, media_type, model_from_json, model_from_multipart
+from nvproxy.proxy import bodies
+from nvproxy.proxy.bodies import (
+    BadBody,
+    media_type,
+    model_from_json,
+    model_from_multipart,
+)
 
 
 def multipart(boundary: str, parts: list[tuple[str, str | None, bytes]]) -> bytes:

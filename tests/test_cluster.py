@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_cluster -*-
 """
 Tests for L{nvproxy.cluster}: the cluster dir, its watcher, the CLI, and mutual TLS
-through L{nvproxy.listener.DemuxFactory} on real loopback sockets.
+through L{nvproxy.proxy.listener.DemuxFactory} on real loopback sockets.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from nvproxy.cluster import (
     cluster_command,
     peer_fingerprint,
 )
-from nvproxy.listener import DemuxFactory, tls_personality
+from nvproxy.proxy.listener import DemuxFactory, tls_personality
 
 reactor: Any = _reactor
 NOW = 1_750_000_000.0

@@ -132,7 +132,7 @@ class ForwardingTests(ProxyTestCase):
         proxy = await self.proxy({"ollama": fake.url})
         pool = HTTPConnectionPool(reactor, persistent=False)
         agent = Agent(reactor, pool=pool)
-        from nvproxy.upstream import BytesProducer
+        from nvproxy.proxy.upstream import BytesProducer
 
         response: IResponse = await agent.request(
             b"POST",
@@ -541,13 +541,13 @@ class DisconnectTests(ProxyTestCase):
 
 class DialTests(TestCase):
     """
-    L{nvproxy.upstream.EndpointFactory} dials an IP literal directly, so a
+    L{nvproxy.proxy.upstream.EndpointFactory} dials an IP literal directly, so a
     refused or abandoned connection is reported as what it is, never as a
     failed DNS lookup.
     """
 
     def factory(self, on: Any = reactor) -> Any:
-        from nvproxy.upstream import EndpointFactory
+        from nvproxy.proxy.upstream import EndpointFactory
 
         return EndpointFactory(on, 7.0)
 

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_listener -*-
 """
-Tests for L{nvproxy.listener}: the first-byte demultiplexer and the loopback gate.
+Tests for L{nvproxy.proxy.listener}: the first-byte demultiplexer and the loopback gate.
 
 Real TLS through the demux (handshakes, peer certificates, keep-alive) is exercised
 in L{tests.test_cluster}; here everything runs on C{StringTransport} and C{Clock}.
@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
-from nvproxy.listener import DemuxFactory, is_loopback, listen_facade
+from nvproxy.proxy.listener import DemuxFactory, is_loopback, listen_facade
 
 LOOPBACK_PEERS: list[IAddress] = [
     IPv4Address("TCP", "127.0.0.1", 40001),

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_pathnorm -*-
 # trial's assertion methods are unannotated:
 # mypy: disallow-untyped-calls=False
-"""Tests for L{nvproxy.pathnorm}."""
+"""Tests for L{nvproxy.proxy.pathnorm}."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvproxy.pathnorm import (
+from nvproxy.proxy.pathnorm import (
     HIDDEN_VLLM,
     HIDDEN_VLLM_PREFIXES,
     MAX_PATH_BYTES,

@@ -14,10 +14,10 @@ from twisted.internet import reactor
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from nvproxy.cluster import ClusterDir, Peer, PeerPolicyForHTTPS
+from nvproxy.proxy.upstream import BytesProducer
 from nvproxy.service import NvProxy
 from nvproxy.testing.fakeengine import FakeEngine
 from nvproxy.testing.harness import facade_url, free_port, proxy_config, start_proxy
-from nvproxy.upstream import BytesProducer
 from tests.test_accounting import _inference
 from tests.test_forwarding import ProxyTestCase
 

@@ -22,9 +22,10 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.http_headers import Headers
 
-from nvproxy.attempt import ClientSide, HttpAttempt, UpstreamRequest
 from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
-from nvproxy.upstream import Upstream
+from nvproxy.proxy.attempt import HttpAttempt, UpstreamRequest
+from nvproxy.proxy.client import ClientSide
+from nvproxy.proxy.upstream import Upstream
 from tests.test_attempt import FakeClientRequest
 
 Answer = Callable[["_RawHTTP", int], None]

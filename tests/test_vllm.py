@@ -181,7 +181,7 @@ class _Hosts:
 
 
 class _Client:
-    """The part of L{nvproxy.attempt.ClientSide} the waking target uses."""
+    """The part of L{nvproxy.proxy.attempt.ClientSide} the waking target uses."""
 
     def __init__(self) -> None:
         self.request = DummyRequest([b""])

@@ -283,7 +283,7 @@ def _check_one(
     # A clean close (FIN) before any response byte on a reused connection
     # looks exactly like an engine's keep-alive close racing the request,
     # and the proxy sends the request once more inside the same attempt
-    # (nvproxy.upstream): the engine sees it twice for one dispatch.
+    # (nvproxy.proxy.upstream): the engine sees it twice for one dispatch.
     resent = [
         r
         for r, nxt in itertools.pairwise(rs)

@@ -24,7 +24,7 @@ from nvproxy.vllm._errors import Waking, waking_503_body
 from nvproxy.vllm._manager import VllmManager
 
 if TYPE_CHECKING:
-    from nvproxy.attempt import ClientSide
+    from nvproxy.proxy.client import ClientSide
 
 log = Logger()
 

@@ -30,8 +30,6 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IAgent
 
 from nvproxy.accounting import Accounting, RequestAccounting
-from nvproxy.attempt import ClientSide, HttpAttempt, UpstreamRequest
-from nvproxy.bodies import BadBody, media_type, model_from_json, model_from_multipart
 from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
 from nvproxy.dispatch import (
     Dispatcher,
@@ -41,7 +39,15 @@ from nvproxy.dispatch import (
 )
 from nvproxy.engines import Engine, RouteKind
 from nvproxy.inferstats import StatsMeter
-from nvproxy.pathnorm import normalize_path
+from nvproxy.proxy.attempt import HttpAttempt, UpstreamRequest
+from nvproxy.proxy.bodies import (
+    BadBody,
+    media_type,
+    model_from_json,
+    model_from_multipart,
+)
+from nvproxy.proxy.client import ClientSide
+from nvproxy.proxy.pathnorm import normalize_path
 from nvproxy.vllm import ModelRequired, UnknownModel, VllmManager, WakingTarget
 
 log = Logger()

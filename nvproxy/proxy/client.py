@@ -1,0 +1,151 @@
+# -*- test-case-name: tests.test_attempt -*-
+"""
+The client's half of a proxied exchange: the twisted.web request, guarded
+against writes after the connection went away, and how an answer that
+cannot be completed is ended (in the stream's own error framing).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+
+from nvproxy.proxy.upstream import end_to_end
+
+
+class ClientSide:
+    """
+    The client's half of a proxied exchange: the twisted.web request, guarded
+    against writes after the connection went away.
+    """
+
+    def __init__(
+        self,
+        request: Any,
+        error_body: Callable[[int, str, str | None], bytes],
+    ) -> None:
+        self.request = request
+        self.gone = False
+        self.aborted = False
+        self.closed: Deferred[None] = Deferred()
+        self._error_body = error_body
+        request.notifyFinish().addErrback(self._lost)
+
+    def _lost(self, reason: Failure) -> None:
+        self.gone = True
+        self.closed.callback(None)
+
+    def start(self, status: int, phrase: bytes, headers: Headers) -> None:
+        request = self.request
+        request.setResponseCode(status, phrase or None)
+        out = request.responseHeaders
+        for name in (b"server", b"date", b"content-type"):
+            out.removeHeader(name)
+        for name, values in end_to_end(headers).getAllRawHeaders():
+            out.setRawHeaders(name, list(values))
+
+    def finish(self) -> None:
+        if self.gone or self.request.finished:
+            return
+        self.request.finish()
+
+    def abort(self) -> None:
+        """
+        End a committed response that cannot be completed: closing the
+        connection is the only signal left (DESIGN §7, "Streaming").
+        """
+        if self.gone or self.request.finished:
+            return
+        self.aborted = True
+        # Not loseConnection: it waits for buffered data to drain, forever
+        # for a stalled client.  A reset is also the clearer signal.
+        transport = getattr(getattr(self.request, "channel", None), "transport", None)
+        if transport is not None and hasattr(transport, "abortConnection"):
+            transport.abortConnection()
+        else:
+            self.request.loseConnection()
+
+    def cut(self, frame: bytes | None, clock: IReactorTime) -> None:
+        """
+        End a committed answer that cannot be completed, telling the client
+        so: C{frame} (the stream dialect's error event, if there is one) is
+        written, then the connection is closed without the rest of the body
+        (no last chunk, or fewer bytes than the Content-Length), so the
+        client's HTTP layer sees the body cut too.  What was already relayed
+        is flushed first; a client that does not take it within
+        L{CUT_GRACE} seconds is reset.
+        """
+        if self.gone or self.request.finished:
+            return
+        self.aborted = True
+        if frame is not None:
+            self.request.write(frame)
+        transport = getattr(getattr(self.request, "channel", None), "transport", None)
+        if transport is None:
+            self.request.loseConnection()
+            return
+        transport.loseConnection()
+        if hasattr(transport, "abortConnection"):
+            reset = clock.callLater(CUT_GRACE, transport.abortConnection)
+            self.closed.addBoth(lambda _: reset.cancel() if reset.active() else None)
+
+    def reject(
+        self,
+        status: int,
+        message: str,
+        retry_after: int | None = None,
+        code: str | None = None,
+    ) -> None:
+        """
+        Answer with a proxy-generated error in the engine's dialect.
+        """
+        if self.gone or self.request.finished:
+            return
+        request = self.request
+        body = self._error_body(status, message, code)
+        request.setResponseCode(status)
+        request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
+        request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
+        if retry_after is not None:
+            request.responseHeaders.setRawHeaders(
+                b"retry-after", [str(retry_after).encode()]
+            )
+        request.write(body)
+        request.finish()
+
+
+CUT_GRACE = 5.0
+"""Seconds a cut stream's client may take to read the error frame."""
+
+TRUNCATED_MESSAGE = "the upstream connection ended before the response was complete"
+IDLE_MESSAGE = "the upstream sent nothing for longer than the stream idle timeout"
+
+_NDJSON = frozenset(
+    {b"application/x-ndjson", b"application/ndjson", b"application/jsonl"}
+)
+
+
+def error_frame(
+    content_type: bytes | None, message: str, at_line_start: bool = True
+) -> bytes | None:
+    """
+    The error event that ends a cut stream in its own framing, so SDKs
+    raise instead of silently stopping: SSE (OpenAI and llama.cpp)
+    C{data: {"error": {...}}}, NDJSON (Ollama) an C{{"error": "..."}} line;
+    C{None} for a body that is not a stream of events.  An SSE frame starts
+    with a blank line, which ends a partial event and is otherwise ignored.
+    """
+    kind = (content_type or b"").split(b";", 1)[0].strip().lower()
+    if kind == b"text/event-stream":
+        error = {"message": message, "type": "server_error", "code": "upstream_cut"}
+        return b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
+    if kind in _NDJSON:
+        line = json.dumps({"error": message}).encode() + b"\n"
+        return line if at_line_start else b"\n" + line
+    return None
