@@ -4,8 +4,14 @@ Tests for L{nvproxy.config}.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import sys
+import textwrap
+import tomllib
 from collections.abc import Mapping
+from io import StringIO
 from types import MappingProxyType
 
 from hypothesis import given
@@ -17,8 +23,10 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvproxy.config import (
     FLAG_NAMES,
+    TOP,
     Config,
     ConfigError,
+    ConfigErrors,
     DispatchConfig,
     EngineConfig,
     LimitsConfig,
@@ -29,14 +37,17 @@ from nvproxy.config import (
     default_backend,
     default_state_dir,
     env_name,
+    flags_reference,
     format_duration,
     format_size,
     load_config,
     node_id_from_hostname,
     parse_duration,
     parse_size,
+    reference_keys,
     resolve_node_id,
 )
+from nvproxy.dispatch import DispatchPolicy
 from nvproxy.engines import ENGINES
 
 EXAMPLE = """\
@@ -299,11 +310,11 @@ class ExampleTests(LoadTestsMixin):
             admin_listen=("127.0.0.1", 8010),
             admin_enabled=True,
             dispatch=DispatchConfig(
-                max_attempts=5,
-                deadline=600.0,
+                policy=DispatchPolicy(
+                    max_attempts=5, deadline=600.0, backoff=(0.5, 1.0, 2.0, 4.0)
+                ),
                 dial_timeout=10.0,
                 response_header_timeout=1800.0,
-                backoff=(0.5, 1.0, 2.0, 4.0),
             ),
             discovery_poll_interval=2.0,
             limits=LimitsConfig(
@@ -357,7 +368,9 @@ class ExampleTests(LoadTestsMixin):
         self.assertEqual(
             list(config.engines), ["ollama", "lmstudio", "llamacpp", "vllm"]
         )
-        self.assertEqual(config.dispatch, DispatchConfig(5, 600.0, 10.0, 1800.0))
+        self.assertEqual(
+            config.dispatch, DispatchConfig(DispatchPolicy(5, 600.0), 10.0, 1800.0)
+        )
         self.assertEqual(config.limits, LimitsConfig(64 * 2**20, 4096, 30.0))
         self.assertEqual(config.admin_listen, ("127.0.0.1", 8010))
         self.assertIsNone(config.node_id)
@@ -447,9 +460,9 @@ class ExampleTests(LoadTestsMixin):
         )
         self.assertEqual(
             (
-                config.dispatch.deadline,
+                config.dispatch.policy.deadline,
                 config.dispatch.response_header_timeout,
-                config.dispatch.backoff,
+                config.dispatch.policy.backoff,
             ),
             (60.0, 0.0, (0.1, 1.0)),
         )
@@ -1004,7 +1017,7 @@ class PrecedenceTests(LoadTestsMixin):
                 "json",
                 "127.0.0.3",
                 ("127.0.0.1", 7001),
-                DispatchConfig(3, 60.0, 3.0, 300.0),
+                DispatchConfig(DispatchPolicy(3, 60.0), 3.0, 300.0),
                 "/file/cluster",
             ),
         )
@@ -1041,7 +1054,7 @@ class PrecedenceTests(LoadTestsMixin):
                 "text",
                 "0.0.0.0",
                 ("127.0.0.1", 7002),
-                DispatchConfig(7, 120.0, 4.0, 0.0),
+                DispatchConfig(DispatchPolicy(7, 120.0), 4.0, 0.0),
                 "/env/cluster",
                 "stdio",
             ),
@@ -1090,7 +1103,7 @@ class PrecedenceTests(LoadTestsMixin):
                 "json",
                 "::",
                 ("::1", 7003),
-                DispatchConfig(9, 180.0, 0.5, 45.0),
+                DispatchConfig(DispatchPolicy(9, 180.0), 0.5, 45.0),
                 "/flag/cluster",
                 "stdio",
             ),
@@ -1194,7 +1207,7 @@ class PrecedenceTests(LoadTestsMixin):
         config = self.load(
             "[dispatch]\nmax_attempts = 'x'\n", flags={"max-attempts": "2"}
         )
-        self.assertEqual(config.dispatch.max_attempts, 2)
+        self.assertEqual(config.dispatch.policy.max_attempts, 2)
 
 
 class StateDirTests(SynchronousTestCase):
@@ -1335,7 +1348,7 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(
             (
                 config.dispatch.response_header_timeout,
-                config.dispatch.deadline,
+                config.dispatch.policy.deadline,
                 config.admin_enabled,
                 config.control,
                 config.state_dir,
@@ -1386,3 +1399,455 @@ class WorkloadLogTests(SynchronousTestCase):
         with self.assertRaises(ConfigError) as caught:
             load_config(path, {}, {"HOME": "/x"})
         self.assertEqual(str(caught.exception), "workloads.file: unknown key")
+
+
+def _configuration_section() -> str:
+    """README.rst's Configuration section, up to the next section."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.rst"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("\nConfiguration\n-------------\n")
+    end = re.search(r"\n[^\n]+\n-{3,}\n", text[start + 30 :])
+    assert end is not None
+    return text[start : start + 30 + end.start()]
+
+
+def _readme_example() -> str:
+    """The README's example configuration file."""
+    block = _configuration_section().split(".. code-block:: toml\n", 1)[1]
+    lines = []
+    for line in block.splitlines()[1:]:
+        if line and not line.startswith("    "):
+            break
+        lines.append(line)
+    return textwrap.dedent("\n".join(lines))
+
+
+def _flatten(table: Mapping[str, object], prefix: str, declared: set[str]) -> set[str]:
+    """
+    The keys of a TOML document named as L{reference_keys} names them.
+    """
+    keys: set[str] = set()
+    for name, value in table.items():
+        key = f"{prefix}.{name}" if prefix else name
+        parts = key.split(".")
+        if parts[0] == "engines" and len(parts) > 2:
+            generic = ".".join(["engines", "<engine>", *parts[2:]])
+            if generic in declared or any(
+                k.startswith(generic + ".") for k in declared
+            ):
+                key = generic
+        if key in declared:
+            keys.add(key)
+        elif isinstance(value, dict):
+            keys |= _flatten(value, key, declared)
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for entry in value:
+                keys |= _flatten(entry, key + "[]", declared)
+        else:
+            keys.add(key)
+    return keys
+
+
+class SettingsTableTests(LoadTestsMixin):
+    """
+    The settings table drives the file, the flags, the environment and the
+    twistd options.
+    """
+
+    FLAG_VALUES: Mapping[str, tuple[str, str]] = {
+        # flag -> (its text, the same as a TOML line)
+        "node-id": ("gpu-9", 'node_id = "gpu-9"'),
+        "state-dir": ("/x", 'state_dir = "/x"'),
+        "log-format": ("json", 'log_format = "json"'),
+        "log-level": ("warn", 'log_level = "warn"'),
+        "listen-interface": ("::", 'listen_interface = "::"'),
+        "max-attempts": ("3", "dispatch.max_attempts = 3"),
+        "deadline": ("1m", 'dispatch.deadline = "1m"'),
+        "dial-timeout": ("2s", 'dispatch.dial_timeout = "2s"'),
+        "response-header-timeout": ("0", 'dispatch.response_header_timeout = "0"'),
+        "eject-base": ("2s", 'dispatch.eject_base = "2s"'),
+        "eject-max": ("1m", 'dispatch.eject_max = "1m"'),
+        "cluster-dir": ("/c", 'cluster.dir = "/c"'),
+    }
+
+    def test_flag_env_and_file_agree(self) -> None:
+        """
+        Every flag with a file key sets the same value as that key, whether
+        given as the flag or as its environment variable.
+        """
+        keyed = {s.flag for s in TOP.settings if s.flag and s.key}
+        self.assertEqual(set(self.FLAG_VALUES), keyed)
+        home = {"HOME": "/home/u"}
+        for flag, (text, line) in self.FLAG_VALUES.items():
+            from_file = self.load(line + "\n", env=home)
+            self.assertNotEqual(from_file, self.load(env=home), flag)
+            self.assertEqual(self.load(flags={flag: text}, env=home), from_file, flag)
+            env = dict(home, **{env_name(flag): text})
+            self.assertEqual(self.load(env=env), from_file, flag)
+
+    def test_flag_only_settings(self) -> None:
+        self.assertEqual(
+            {s.flag for s in TOP.settings if s.key is None},
+            {"config", "control", "admin"},
+        )
+
+    def test_declared_once(self) -> None:
+        keys = list(reference_keys())
+        self.assertEqual(len(keys), len(set(keys)))
+        self.assertEqual(len(FLAG_NAMES), len(set(FLAG_NAMES)))
+        self.assertEqual(len({env_name(flag) for flag in FLAG_NAMES}), len(FLAG_NAMES))
+
+    def test_defaults_are_the_values_defaults(self) -> None:
+        """
+        The defaults the table shows are those of the loaded default config,
+        and the dispatch bounds are L{DispatchPolicy}'s own.
+        """
+        shown = {
+            s.name: TOP.default_text(s)
+            for s in TOP.settings
+            if s.default is None and s.parser is not None
+        }
+        self.assertEqual(
+            shown,
+            {
+                "log_format": "text",
+                "log_level": "info",
+                "listen_interface": "127.0.0.1",
+                "--control": "none",
+                "admin.listen": "127.0.0.1:8010",
+                "admin.enabled": "true",
+                "dispatch.max_attempts": "5",
+                "dispatch.deadline": "10m",
+                "dispatch.dial_timeout": "10s",
+                "dispatch.response_header_timeout": "30m",
+                "dispatch.backoff": "500ms, 1s, 2s, 4s",
+                "dispatch.eject_base": "1s",
+                "dispatch.eject_max": "30s",
+                "dispatch.stream_idle_timeout": "0s",
+                "discovery.poll_interval": "2s",
+                "limits.max_body": "64MiB",
+                "limits.max_connections": "4096",
+                "limits.header_timeout": "30s",
+                "workloads.log": "none",
+            },
+        )
+        self.assertEqual(self.load().dispatch.policy, DispatchPolicy())
+
+    def test_options_from_table(self) -> None:
+        """
+        Every flag is a twistd option with its help, and no default (so a
+        flag not given falls through to the environment and the file).
+        """
+        options = {row[0]: row for row in Options.optParameters}
+        self.assertEqual(list(options), list(FLAG_NAMES))
+        for setting in TOP.settings:
+            if setting.flag:
+                long, short, default, help = options[setting.flag]
+                self.assertEqual((short, default), (setting.short, None))
+                self.assertIn(setting.help, help)
+                self.assertIn(TOP.default_text(setting), help)
+
+    def test_options_help(self) -> None:
+        text = str(Options(env=ENV))
+        for flag in FLAG_NAMES:
+            self.assertIn(f"--{flag}=", text)
+        self.assertIn("[dispatch.max_attempts; default: 5]", text)
+
+
+class ReadmeTests(LoadTestsMixin):
+    """
+    README.rst's configuration reference and the settings table agree.
+    """
+
+    def test_flags_reference_is_generated(self) -> None:
+        """
+        The flag list in the README is L{flags_reference}'s.
+        """
+        section = _configuration_section()
+        start = section.index("\n.. flags: generated by")
+        start = section.index("\n\n", start) + 2
+        end = section.index("\n.. end of flags\n")
+        self.assertEqual(
+            section[start:end],
+            flags_reference(),
+            "README.rst is out of date: replace its flag list with the output of"
+            " python -c 'import nvproxy.config as c; print(c.flags_reference())'",
+        )
+
+    def test_names_in_reference_are_flags(self) -> None:
+        section = _configuration_section()
+        flags = set(re.findall(r"--([a-z][a-z-]*)", section))
+        self.assertEqual(flags, set(FLAG_NAMES))
+        variables = set(re.findall(r"NVPROXY_[A-Z_]+", section))
+        self.assertEqual(variables, {env_name(flag) for flag in FLAG_NAMES})
+
+    def test_example_has_every_key(self) -> None:
+        """
+        Every TOML key of the README's example is in the table, and every key
+        of the table is in the example.
+        """
+        declared = set(reference_keys())
+        example = tomllib.loads(_readme_example())
+        self.assertEqual(_flatten(example, "", declared), declared)
+
+    def test_example_loads(self) -> None:
+        config = load_config(self.write(_readme_example()), {}, ENV)
+        self.assertEqual(config.engines["vllm"].services[0].name, "text")
+        self.assertEqual(config.workload_log, "/var/log/nvproxy/workloads.jsonl")
+
+
+class EveryErrorTests(LoadTestsMixin):
+    """
+    An invalid configuration reports every problem, one line each, naming
+    the key.
+    """
+
+    def errors(
+        self,
+        text: str | None,
+        flags: Mapping[str, str | None] | None = None,
+        env: Mapping[str, str] = ENV,
+    ) -> list[str]:
+        with self.assertRaises(ConfigErrors) as raised:
+            self.load(text, flags, env)
+        lines = [str(error) for error in raised.exception.errors]
+        self.assertEqual(str(raised.exception), "\n".join(lines))
+        for line in lines:
+            self.assertNotIn("\n", line)
+        return lines
+
+    def test_every_setting(self) -> None:
+        lines = self.errors(
+            "node_id = 3\n"
+            "colour = 'red'\n"
+            "[dispatch]\nmax_attempts = 0\ndeadline = 'soon'\n"
+            "[limits]\nmax_body = 0\n"
+            "[engines.ollama]\nport = 70000\nprot = 1\n"
+            "[engines.lmstudio]\nhold = {}\n",
+            flags={"dial-timeout": "0"},
+            env=dict(ENV, NVPROXY_LOG_FORMAT="xml"),
+        )
+        self.assertEqual(
+            lines,
+            [
+                "colour: unknown key",
+                "node_id: must be a string, got 3",
+                'NVPROXY_LOG_FORMAT: must be "text" or "json", got "xml"',
+                "dispatch.max_attempts: must be an integer >= 1, got 0",
+                'dispatch.deadline: must be a duration such as "250ms", "10s",'
+                ' "15m", "3h" or a number of seconds, got "soon"',
+                '--dial-timeout: must be greater than 0, got "0"',
+                "limits.max_body: must be at least 1 byte, got 0",
+                "engines.ollama.prot: unknown key",
+                "engines.ollama.port: must be 0 (standalone default) or 1..65535,"
+                " got 70000",
+                "engines.lmstudio.hold: only valid for vllm",
+            ],
+        )
+
+    def test_file_and_flags(self) -> None:
+        """
+        An unreadable file does not hide the flags' problems.
+        """
+        missing = self.mktemp()
+        lines = self.errors(None, flags={"config": missing, "max-attempts": "x"})
+        self.assertEqual(
+            lines,
+            [
+                f"config file {missing}: cannot read: No such file or directory",
+                '--max-attempts: must be an integer >= 1, got "x"',
+            ],
+        )
+
+    def test_one_line_per_entry(self) -> None:
+        """
+        Each entry of an array of tables is reported by its first problem.
+        """
+        lines = self.errors(
+            "[[nodes]]\nengines = {}\n"
+            "[[nodes]]\nid = 'ok'\nengines = { ollama = 'http://a' }\n"
+            "[[nodes]]\nid = 'x/y'\nurl = 1\n"
+            "[[engines.vllm.services]]\nname = 'a'\nurl = 'http://h'\nmodel = 'm'\n"
+            "[[engines.vllm.services]]\nname = 'a'\nurl = 'ftp://h'\nmodel = 'n'\n"
+        )
+        self.assertEqual(
+            lines,
+            [
+                "engines.vllm.services[1].url: must be an http:// or https:// URL"
+                ' with a host, got "ftp://h"',
+                "nodes[0].id: is required",
+                "nodes[2].url: unknown key",
+            ],
+        )
+
+    def test_checks_across_settings_skip_bad_values(self) -> None:
+        """
+        A check over several settings runs only when each of them is fine:
+        a bad port is not also "the facade's own port", a bad ejection bound
+        is not also compared with the other.
+        """
+        self.assertEqual(
+            self.errors(
+                "[engines.ollama]\nport = 'x'\nbackend = 'http://127.0.0.1:11435'\n"
+                "[dispatch]\neject_base = '1m'\neject_max = '0'\n"
+            ),
+            [
+                'dispatch.eject_max: must be greater than 0, got "0"',
+                "engines.ollama.port: must be 0 (standalone default) or 1..65535,"
+                ' got "x"',
+            ],
+        )
+
+    def test_single(self) -> None:
+        with self.assertRaises(ConfigErrors) as raised:
+            self.load("[dispatch]\nmax_attempts = 0\n")
+        error = raised.exception
+        self.assertEqual(
+            (error.key, error.problem, len(error.errors)),
+            ("dispatch.max_attempts", "must be an integer >= 1, got 0", 1),
+        )
+        self.assertIsInstance(error, ConfigError)
+
+    def test_several_is_config_error(self) -> None:
+        error = ConfigErrors([ConfigError("a", "x"), ConfigError(None, "y")])
+        self.assertIsInstance(error, ConfigError)
+        self.assertEqual(str(error), "a: x\ny")
+        self.assertEqual(str(ConfigErrors([error])), "a: x\ny")
+        self.assertRaises(ValueError, ConfigErrors, [])
+
+
+_WORDS = sorted(
+    {part for key in reference_keys() for part in re.split(r"[.\[\]]+", key) if part}
+    | set(ENGINES)
+    | {"engines", "nodes", "services", "hold", "prot"}
+)
+_SCALARS = (
+    st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats()
+    | st.booleans()
+    | st.text(max_size=12)
+    | st.sampled_from(
+        [
+            "10s",
+            "0",
+            "-1s",
+            "64MiB",
+            "http://127.0.0.1:8000",
+            "http://h:0",
+            "127.0.0.1:8010",
+            "[::1]:1",
+            "off",
+            "stdio",
+            "json",
+            "DEBUG",
+            "/v1/completions",
+            "multipart:/x",
+            "text",
+        ]
+    )
+)
+_KEYS = st.sampled_from(_WORDS) | st.text(min_size=1, max_size=4)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(_KEYS, children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _toml(value: object) -> str:
+    """A value as TOML, with inline tables and arrays."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml, value)) + "]"
+    assert isinstance(value, dict)
+    return (
+        "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    )
+
+
+class RandomDocumentTests(LoadTestsMixin):
+    @given(
+        st.dictionaries(_KEYS, _VALUES, max_size=6),
+        st.dictionaries(st.sampled_from(FLAG_NAMES), st.text(max_size=8)),
+    )
+    def test_only_config_errors(
+        self, document: dict[str, object], flags: dict[str, str]
+    ) -> None:
+        """
+        Any document and any flags either load or fail with config errors,
+        one line each.
+        """
+        flags.pop("config", None)
+        text = "".join(f"{json.dumps(k)} = {_toml(v)}\n" for k, v in document.items())
+        try:
+            self.load(text, flags=flags)
+        except ConfigErrors as e:
+            for error in e.errors:
+                self.assertTrue(str(error))
+                self.assertNotIn("\n", str(error))
+
+
+class TwistdOptionsTests(SynchronousTestCase):
+    """
+    L{Options} parsed by twistd (with a parent): problems are lines on
+    stderr and exit status 2, not twistd's whole usage text.
+    """
+
+    def parse(self, argv: list[str], env: Mapping[str, str] = ENV) -> str:
+        err = StringIO()
+        self.patch(sys, "stderr", err)
+        options = Options(env=env)
+        options.parent = {"logger": "already.chosen"}
+        with self.assertRaises(SystemExit) as raised:
+            options.parseOptions(argv)
+        self.assertEqual(raised.exception.code, 2)
+        return err.getvalue()
+
+    def test_bad_flag(self) -> None:
+        self.assertEqual(
+            self.parse(["--no-such-flag"]),
+            "nvproxy: option --no-such-flag not recognized"
+            " (see twistd nvproxy --help)\n",
+        )
+
+    def test_every_problem(self) -> None:
+        env = dict(ENV, NVPROXY_EJECT_MAX="0")
+        self.assertEqual(
+            self.parse(["--max-attempts", "x", "--admin", "10.0.0.1:1"], env),
+            "nvproxy: --admin: must be a loopback address\n"
+            'nvproxy: --max-attempts: must be an integer >= 1, got "x"\n'
+            'nvproxy: NVPROXY_EJECT_MAX: must be greater than 0, got "0"\n',
+        )
+
+    def test_without_parent(self) -> None:
+        """
+        Outside twistd the problems are one L{usage.UsageError}, a line each.
+        """
+        options = Options(env=ENV)
+        with self.assertRaises(usage.UsageError) as raised:
+            options.parseOptions(["--deadline", "0", "--control", "tcp"])
+        self.assertEqual(
+            str(raised.exception).splitlines(),
+            [
+                '--control: must be "stdio", got "tcp"',
+                '--deadline: must be greater than 0, got "0"',
+            ],
+        )
+
+    def test_logger_kept(self) -> None:
+        """
+        A log observer twistd was told to use is not replaced.
+        """
+        options = Options(env=ENV)
+        parent = {"logger": "already.chosen"}
+        options.parent = parent
+        options.parseOptions(["--log-format", "json"])
+        self.assertEqual(parent, {"logger": "already.chosen"})
