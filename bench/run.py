@@ -339,7 +339,7 @@ def _cluster_available() -> bool:
     except ImportError:
         return False
     fields = attrs.fields_dict(config.Config) if attrs.has(config.Config) else {}
-    return "cluster_dir" in fields and hasattr(cluster, "cluster_command")
+    return "cluster_dir" in fields and hasattr(cluster, "ClusterDir")
 
 
 @attrs.define

@@ -1,7 +1,8 @@
 # -*- test-case-name: tests.test_cluster -*-
 """
-Tests for L{nvproxy.cluster}: the cluster dir, its watcher, the CLI, and mutual TLS
-through L{nvproxy.proxy.listener.DemuxFactory} on real loopback sockets.
+Tests for L{nvproxy.cluster}: the cluster dir, its watcher, the CLI
+(L{nvproxy.ctl.cluster}), and mutual TLS through
+L{nvproxy.proxy.listener.DemuxFactory} on real loopback sockets.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ from nvproxy.cluster import (
     PeerPolicyForHTTPS,
     PeerVerificationError,
     ServerTLS,
-    cluster_command,
     peer_fingerprint,
 )
+from nvproxy.ctl import main
+from nvproxy.ctl.cluster import cluster_command
+from nvproxy.engines import ENGINES as ENGINE_TABLE
 from nvproxy.proxy.listener import DemuxFactory, tls_personality
 
 reactor: Any = _reactor
@@ -178,6 +181,20 @@ class PeerTests(SynchronousTestCase):
         ]:
             with self.assertRaises(ClusterError, msg=repr(args)):
                 Peer(*args)
+
+    def test_ports_follow_the_engine_table(self) -> None:
+        """
+        C{ports} may name exactly the engines of L{nvproxy.engines.ENGINES}; an
+        unknown one is refused with the table's engines listed.
+        """
+        ports = {engine: 1000 + n for n, engine in enumerate(sorted(ENGINE_TABLE))}
+        peer = Peer("gpu-2", "10.0.0.1", fake_fingerprint(1), ports)
+        self.assertEqual(dict(peer.ports), ports)
+        with self.assertRaises(ClusterError) as caught:
+            Peer("gpu-2", "10.0.0.1", fake_fingerprint(1), {"tgi": 80})
+        self.assertIn(
+            f"(known: {', '.join(sorted(ENGINE_TABLE))})", str(caught.exception)
+        )
 
     def test_peer_at(self) -> None:
         a = Peer("a", "10.0.0.1", fake_fingerprint(1), {"ollama": 11435})
@@ -572,6 +589,26 @@ class CommandTests(SynchronousTestCase):
         code, output = self.run_command("--help")
         self.assertEqual(code, 0)
         self.assertIn("add-peer", output)
+
+    def test_through_nvproxyctl(self) -> None:
+        """
+        C{nvproxyctl cluster ...} runs these commands with the process's clock:
+        the certificate it makes is valid now.
+        """
+        out = io.StringIO()
+        self.assertEqual(
+            main(["cluster", "init", "node-a", "--dir", self.path], out), 0
+        )
+        self.assertTrue(out.getvalue().startswith("initialized node node-a in "))
+        identity = ClusterDir(self.path).identity()
+        assert identity is not None
+        certificate = identity.certificate
+        now = reactor.seconds()
+        self.assertLessEqual(certificate.not_valid_before_utc.timestamp(), now)
+        self.assertGreater(certificate.not_valid_after_utc.timestamp(), now)
+        out = io.StringIO()
+        self.assertEqual(main(["cluster", "list", "--dir", self.path], out), 0)
+        self.assertEqual(out.getvalue(), "")
 
 
 class ServerTLSUnitTests(SynchronousTestCase):

@@ -1,13 +1,17 @@
-# -*- test-case-name: tests.test_ctl -*-
+# -*- test-case-name: tests.test_admin,tests.test_cluster -*-
 """
-C{nvproxyctl}: the operator's client for the loopback admin API.
+C{nvproxyctl}: the operator's command line, for the loopback admin API and the
+cluster dir.
 
     nvproxyctl [--admin HOST:PORT] status
     nvproxyctl wake SERVICE
     nvproxyctl sleep SERVICE [--level 1|2]
     nvproxyctl set-port ENGINE PORT
     nvproxyctl select ENGINE NODE | nvproxyctl select ENGINE --clear
-    nvproxyctl cluster init|fingerprint|add-peer|remove-peer ...
+    nvproxyctl cluster init|fingerprint|add-peer|remove-peer|list ...
+
+The admin commands are HTTP calls to a running daemon; the C{cluster} commands
+(L{nvproxy.ctl.cluster}) edit the cluster dir directly.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 from urllib.parse import quote
+
+from twisted.internet.interfaces import IReactorTime
 
 DEFAULT_ADMIN = "127.0.0.1:8010"
 
@@ -118,9 +124,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     args = _parser().parse_args(argv)
     if args.command == "cluster":
-        from nvproxy.cluster import cluster_command
+        from twisted.internet import reactor
 
-        return cluster_command(list(args.args), out)
+        from nvproxy.ctl.cluster import cluster_command
+
+        # File work, nothing runs on the reactor: it is only the clock.
+        return cluster_command(list(args.args), out, clock=cast(IReactorTime, reactor))
     try:
         method, path, body = _request(args)
     except CtlError as e:
@@ -161,7 +170,3 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         if e.code not in (0, None):
             return int(e.code) if isinstance(e.code, int) else 1
     return result[0] if result else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
