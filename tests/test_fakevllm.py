@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Coroutine
 from typing import Any
 
 import treq
@@ -30,6 +31,7 @@ from nvproxy.testing.fakevllm import (
     FakeVLLM,
     Violation,
 )
+from tests.vllm_contract import VllmContract
 
 BASE = "http://fake-vllm"
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi there"}]}
@@ -746,3 +748,38 @@ class LoopbackTests(TestCase):
         self.assertEqual(self.fake.port, port)
         self.assertEqual(await self.get("/health"), (200, b""))
         self.assertEqual([c[2] for c in self.fake.calls], ["/health"])
+
+
+class FakeVllmContractTests(VllmContract, SynchronousTestCase):
+    """
+    The vLLM contract (L{tests.vllm_contract}) against the fake, in memory
+    on a Clock; the same tests run against a real vLLM in
+    L{tests.integration.test_vllm_real}.
+    """
+
+    model = "fake-model"
+    call_timeout = 10.0
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        # a wake that takes a moment, as a real one does
+        self.fake = FakeVLLM(clock=self.clock, model=self.model, wake_latency=0.05)
+        self.stub = StubTreq(self.fake.resource())
+        self.http = self.stub
+        self.base_url = BASE
+
+    def tearDown(self) -> None:
+        self.assertEqual(self.fake.violations, [])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def drive(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Flush, and advance to the next timer, until the test is done."""
+        done = Deferred.fromCoroutine(coroutine)
+        for _ in range(1000):
+            self.stub.flush()
+            if done.called:
+                break
+            due = [call.getTime() for call in self.clock.getDelayedCalls()]
+            if due:
+                self.clock.advance(max(0.0, min(due) - self.clock.seconds()))
+        self.successResultOf(done)

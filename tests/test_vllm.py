@@ -12,10 +12,9 @@ import json
 from typing import Any, ClassVar
 
 import treq
-from klein import Klein
 from prometheus_client import CollectorRegistry
 from treq.testing import StubTreq
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
@@ -41,9 +40,9 @@ from nvproxy.vllm import (
     WakeFailed,
     Waking,
     WakingTarget,
-    admin_routes,
     waking_503_body,
 )
+from nvproxy.vllm._client import BadAnswer, NoAnswer, SleepApiClient
 from nvproxy.vllm._poll import Observed, parse_sleep_state
 
 TEXT = VllmServiceConfig(
@@ -994,6 +993,34 @@ class IdleTests(_Harness):
         self.assertEqual(text.state, EngineState.AWAKE)
         self.assertEqual(text.wake_sequences, 2)
 
+    def test_idle_due_at_a_rounding_edge(self) -> None:
+        """
+        The idle timer sleeps the service when it fires, also when the idle
+        time, computed back from the clock, rounds to just below the tier
+        ((4.1 + 60) - 4.1 < 60): it is not re-armed for 0 s again and again.
+        """
+        spins: list[float] = []
+        call_later = self.clock.callLater
+
+        def counted(delay: float, f: Any, *args: Any, **kwargs: Any) -> Any:
+            if delay == 0:
+                spins.append(self.clock.seconds())
+                if len(spins) > 100:
+                    raise AssertionError("a timer re-armed for 0 s, forever")
+            return call_later(delay, f, *args, **kwargs)
+
+        self.clock.callLater = counted  # type: ignore[method-assign]
+        self.clock.advance(4.1)
+        only1 = VllmServiceConfig(
+            name="text", url=TEXT.url, model=TEXT.model, idle_sleep=60, idle_offload=0
+        )
+        manager = self.manager(services=(only1,))
+        self.assertEqual(manager.status()[0]["last_activity"], 4.1)
+        self.clock.advance(60)
+        self.pump()
+        self.assertEqual(self.fakes["text"].state, EngineState.ASLEEP)
+        self.assertEqual(manager.status()[0]["state"], "asleep")
+
     def test_tier_disabled(self) -> None:
         """idle_sleep 0: straight to level 2 at idle_offload; both 0: never."""
         only2 = VllmServiceConfig(
@@ -1222,39 +1249,6 @@ class AdminTests(_Harness):
         self.assertEqual(manager.status()[1]["state"], "awake")  # startup check
         manager.request_finished("text")
 
-    def test_routes(self) -> None:
-        manager = self.manager()
-        self.serve(manager)
-        app = Klein()
-        admin_routes(app, manager)
-        admin = StubTreq(app.resource())
-
-        def call(path: str) -> tuple[int, Any]:
-            stub: Any = admin
-            d = stub.post("http://admin" + path)
-            self.pump()
-            admin.flush()
-            response = self.successResultOf(d)
-            body = self.successResultOf(treq.json_content(response))
-            return response.code, body
-
-        self.assertEqual(
-            call("/admin/sleep/text?level=2"),
-            (200, {"service": "text", "state": "asleep", "level": 2}),
-        )
-        self.assertEqual(self.fakes["text"].sleep_level, 2)
-        self.assertEqual(call("/admin/sleep/text?level=3")[0], 400)
-        self.assertEqual(call("/admin/sleep/nope")[0], 404)
-        self.assertEqual(call("/admin/wake/nope")[0], 404)
-        self.assertEqual(
-            call("/admin/wake/text"), (200, {"service": "text", "state": "awake"})
-        )
-        manager.request_started("text")
-        code, body = call("/admin/sleep/text")
-        self.assertEqual(code, 409)
-        self.assertIn("active", body["error"])
-        manager.request_finished("text")
-
 
 class RestartTests(_Harness):
     def test_restart_mid_wake(self) -> None:
@@ -1430,6 +1424,74 @@ vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 1.0
 vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"} 0.0
 vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="discard_all"} 0.0
 """
+
+
+class SleepApiClientTests(_Harness):
+    """L{SleepApiClient}: what each failure of a call looks like."""
+
+    def client(self) -> SleepApiClient:
+        return SleepApiClient(
+            self.stub,  # type: ignore[arg-type]
+            self.clock,
+            TEXT.url,
+            "text",
+            timeout=5,
+        )
+
+    def test_cancel_is_cancel(self) -> None:
+        """
+        A cancelled call fails with CancelledError (twisted.web says
+        ResponseNeverReceived), never NoAnswer: a stop is not an outage.
+        """
+        self.hosts.gated.add("/is_sleeping")
+        d = self.client().is_sleeping()
+        self.pump()
+        self.assertNoResult(d)
+        d.cancel()
+        self.pump()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(self.clock.getDelayedCalls(), [])  # its timeout too
+
+    def test_timeout_is_no_answer(self) -> None:
+        self.hosts.gated.add("/health")
+        d = self.client().health()
+        self.advance(5)
+        self.failureResultOf(d, NoAnswer)
+
+    def test_answers(self) -> None:
+        """Statuses as the machine reads them."""
+        text = self.fakes["text"]
+        client = self.client()
+        text.answer_instead["/is_sleeping"] = 503
+        self.pump()
+        self.failureResultOf(client.is_sleeping(), NoAnswer)
+        text.answer_instead["/is_sleeping"] = 404
+        d = client.is_sleeping()
+        self.pump()
+        self.assertIs(self.successResultOf(d), False)  # no dev mode: awake
+        text.answer_instead["/is_sleeping"] = 500
+        d = client.is_sleeping()
+        self.pump()
+        self.assertEqual(self.failureResultOf(d, BadAnswer).value.code, 500)
+        text.answer_instead["/sleep"] = 409
+        d = client.sleep(2)
+        self.pump()
+        self.assertEqual(self.failureResultOf(d, BadAnswer).value.code, 409)
+        del text.answer_instead["/sleep"]
+        d = client.sleep(2)
+        self.pump()
+        self.successResultOf(d)
+        self.assertEqual(text.calls[-1][1:], ("POST", "/sleep?level=2&mode=wait"))
+        d = client.wake_up(["weights", "kv_cache"])
+        self.pump()
+        self.successResultOf(d)
+        self.assertEqual(
+            text.calls[-1][1:], ("POST", "/wake_up?tags=weights&tags=kv_cache")
+        )
+        text.set_down()
+        d = client.health()
+        self.pump()
+        self.failureResultOf(d, NoAnswer)
 
 
 class SleepStateGaugeTests(SynchronousTestCase):

@@ -31,6 +31,11 @@ Things a correct proxy never does are recorded in ``fake.violations``
 asleep, waking or draining, before ``/health`` is ready again, or with
 unreloaded weights, and a ``/sleep`` that aborts running requests.
 Proxy tests assert ``fake.violations == []``.
+
+The API facts nvproxy's driver relies on are one contract test mixin
+(``tests/vllm_contract.py``), run against this fake in the default suite and
+against a real vLLM in the opt-in one (``tox -e real-vllm``), so the two
+cannot drift apart unnoticed.
 """
 
 from __future__ import annotations

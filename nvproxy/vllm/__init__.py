@@ -14,10 +14,25 @@ Pieces:
 * L{WakingTarget}: wraps the dispatch target of a local vLLM service.
 
 Modules: C{_registry} (models, defaults), C{_errors} (depths, the 503
-body), C{_machine} (the per-service state machine and its treq driver of
-the sleep API), C{_poll} (the state poll and the sleep-state gauge),
-C{_manager} (the service, persistence, metrics, admin routes), C{_target}
-(the dispatch target).
+body), C{_client} (the sleep API of one service over treq, each call
+bounded on the injected clock), C{_machine} (the per-service state machine
+and its wake and sleep sequences), C{_poll} (the state poll and the
+sleep-state gauge), C{_manager} (the service, persistence, metrics, admin
+routes), C{_target} (the dispatch target).  Imports go one way, top
+down::
+
+    __init__ ──► _target ──► _manager ──┬──► _poll ──┬──► _machine ──► _client
+                                        │            └──► _client
+                                        ├──► _machine
+                                        ├──► _client
+                                        └──► _registry
+    (_errors, which imports none of them: by __init__, _target, _manager,
+    _machine and _registry; __init__ also re-exports _manager and _registry)
+
+C{_machine} knows nothing of the manager: each service's L{_Core
+<nvproxy.vllm._machine._Core>} gets the clock, the hold policy, the
+metrics, its L{SleepApi <nvproxy.vllm._client.SleepApi>} client, the
+settings and an on-changed callback (the manager persists the intent).
 
 The per-service machine (an Automat TypeMachine; each state's data owns
 what its exits cancel)::
@@ -168,7 +183,7 @@ from nvproxy.vllm._errors import (
     Waking,
     waking_503_body,
 )
-from nvproxy.vllm._manager import STATE_FILE, VllmManager, admin_routes
+from nvproxy.vllm._manager import STATE_FILE, VllmManager
 from nvproxy.vllm._registry import MULTIPART_PREFIX, VllmRegistry
 from nvproxy.vllm._target import WakingTarget
 
@@ -186,6 +201,5 @@ __all__ = [
     "WakeFailed",
     "Waking",
     "WakingTarget",
-    "admin_routes",
     "waking_503_body",
 ]

@@ -7,21 +7,20 @@ See the diagram in L{nvproxy.vllm}.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
-import treq
 from automat import TypeMachineBuilder
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from nvproxy.config import VllmServiceConfig
+from nvproxy.config import VllmHold, VllmServiceConfig
+from nvproxy.vllm._client import BadAnswer, NoAnswer, SleepApi
 from nvproxy.vllm._errors import (
     _ESTIMATE,
     Depth,
@@ -32,14 +31,7 @@ from nvproxy.vllm._errors import (
     _depth_of_level,
 )
 
-if TYPE_CHECKING:
-    from nvproxy.vllm._manager import VllmManager
-
 log = Logger()
-
-
-class _Transport(Exception):
-    """The service did not answer at all (refused, reset, timed out)."""
 
 
 class _Unreachable(Exception):
@@ -47,7 +39,29 @@ class _Unreachable(Exception):
 
 
 class _WakeError(Exception):
-    """A step of the wake sequence answered an error, or never got ready."""
+    """The wake (or sleep) never got where it should within its deadline."""
+
+
+@attrs.frozen
+class _Settings:
+    """
+    How one service is driven (see L{nvproxy.vllm.VllmManager}'s
+    parameters of the same names).
+    """
+
+    wake_timeout: float = 600.0
+    health_poll: float = 0.5
+    call_timeout: float = 10.0
+    escalate_by_wake: bool = False
+
+
+class _WakeMetrics(Protocol):
+    """The metrics the machine reports to."""
+
+    def held(self, service: str, count: int) -> None: ...
+    def wake(self, service: str, depth: Depth) -> None: ...
+    def woke(self, service: str, depth: Depth, seconds: float) -> None: ...
+    def slept(self, service: str, level: int | None) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -145,23 +159,45 @@ class _Inputs(Protocol):
         "The state poll found the service asleep at C{level} (None: unknown)."
 
     def stop(self) -> None:
-        "The manager stops: cancel everything."
+        "The owner stops: cancel everything."
 
 
 class _Core:
     """
     Everything about one service that outlives a state: config, counters,
-    held callers, and the HTTP driver of the sleep API.
+    held callers, and the driver of the sleep API (the wake and sleep
+    sequences over C{client}).
+
+    @param clock: every timer and timestamp.
+    @param hold: how long a held caller waits, by depth.
+    @param client: the service's sleep API.
+    @param metrics: where wakes, sleeps and held callers are counted.
+    @param changed: called whenever something persisted changed (the phase,
+        the level, C{reload_pending}).
+    @param settings: timeouts and the escalation choice.
     """
 
     machine: _Inputs
 
-    def __init__(self, manager: VllmManager, config: VllmServiceConfig) -> None:
-        self.manager = manager
+    def __init__(
+        self,
+        config: VllmServiceConfig,
+        *,
+        clock: IReactorTime,
+        hold: VllmHold,
+        client: SleepApi,
+        metrics: _WakeMetrics,
+        changed: Callable[[], None],
+        settings: _Settings,
+    ) -> None:
         self.config = config
         self.name = config.name
-        self.clock = manager.clock
-        self.base = config.url.rstrip("/")
+        self.clock = clock
+        self.hold = hold
+        self.client = client
+        self.metrics = metrics
+        self.changed = changed
+        self.settings = settings
         # bumped by every phase change: a poll answer older than the last
         # change is dropped
         self.epoch = 0
@@ -182,7 +218,6 @@ class _Core:
         self.waking_from: Depth | None = None
         self.sleep_target: int | None = None
         self.observed: dict[Depth, float] = {}
-        self.warned_no_dev_mode = False
         self.last_sleep_error: BaseException | None = None
 
     @property
@@ -223,10 +258,10 @@ class _Core:
         now = self.clock.seconds()
         hold = _Hold(Deferred(cancel), now if arrived is None else arrived)
         if deadline:
-            wait = hold.arrived + self.depth().hold(self.manager.hold) - now
+            wait = hold.arrived + self.depth().hold(self.hold) - now
             hold.timer = self.clock.callLater(max(0.0, wait), self._expire, hold)
         self.holds.append(hold)
-        self.manager.metrics.held(self.name, len(self.holds))
+        self.metrics.held(self.name, len(self.holds))
         return hold.deferred
 
     def _drop(self, hold: _Hold) -> None:
@@ -234,7 +269,7 @@ class _Core:
             hold.timer.cancel()
         if hold in self.holds:
             self.holds.remove(hold)
-            self.manager.metrics.held(self.name, len(self.holds))
+            self.metrics.held(self.name, len(self.holds))
 
     def _expire(self, hold: _Hold) -> None:
         hold.timer = None
@@ -249,7 +284,7 @@ class _Core:
 
     def extend_holds(self) -> None:
         """The depth got worse: give every held caller its longer hold."""
-        wait = self.depth().hold(self.manager.hold)
+        wait = self.depth().hold(self.hold)
         now = self.clock.seconds()
         for hold in self.holds:
             if hold.timer is not None and hold.timer.active():
@@ -269,7 +304,7 @@ class _Core:
 
     def release(self, error: Exception | None) -> None:
         holds, self.holds = self.holds, []
-        self.manager.metrics.held(self.name, 0)
+        self.metrics.held(self.name, 0)
         for hold in holds:
             if hold.timer is not None and hold.timer.active():
                 hold.timer.cancel()
@@ -317,7 +352,10 @@ class _Core:
         tier = self.tier()
         if tier is None or self.active > 0:
             return None
-        if self.clock.seconds() - self.last_activity < tier[1]:
+        # the same sum as the timer's due time in arm(): "now - last < idle"
+        # can be true at the very time it is due (rounding), and a timer
+        # re-armed for 0 s would then fire again at once, forever
+        if self.clock.seconds() < self.last_activity + tier[1]:
             return None
         return tier[0]
 
@@ -339,7 +377,7 @@ class _Core:
     def set_reload_pending(self, pending: bool) -> None:
         if self.reload_pending != pending:
             self.reload_pending = pending
-            self.manager.changed(self)
+            self.changed()
 
     def start_check(self) -> _Op:
         d = Deferred.fromCoroutine(self._check())
@@ -433,7 +471,7 @@ class _Core:
         d.addErrback(lambda f: log.failure("vLLM sleep bookkeeping", f))
         return _Op(d, reply)
 
-    # -- the sleep API over treq -------------------------------------------
+    # -- the wake and sleep sequences over the sleep API -------------------
 
     def _left(self, deadline: float, limit: float) -> float:
         """The timeout of one call: C{limit}, but not past C{deadline}."""
@@ -442,66 +480,20 @@ class _Core:
             raise _WakeError("the attempt's deadline passed")
         return min(limit, left)
 
-    async def _call(
-        self, method: str, path: str, limit: float, body: object = None
-    ) -> tuple[int, bytes]:
-        manager = self.manager
-        try:
-            if body is None:
-                d = manager.http.request(method, self.base + path)
-            else:
-                d = manager.http.request(method, self.base + path, json=body)
-            d.addTimeout(limit, self.clock)
-            response = await d
-            content: Deferred[bytes] = treq.content(response)
-            content.addTimeout(limit, self.clock)
-            data = await content
-        except Exception as e:
-            if self.phase == "stopped" or isinstance(e, CancelledError):
-                # twisted.web reports a cancelled request as
-                # ResponseNeverReceived([CancelledError]): stop means stop.
-                raise CancelledError() from e
-            raise _Transport(f"{method} {path}: {type(e).__name__}") from e
-        return response.code, data
-
-    async def _expect(
-        self, method: str, path: str, limit: float, body: object = None
-    ) -> bytes:
-        code, data = await self._call(method, path, limit, body)
-        if code != 200:
-            raise _WakeError(f"{method} {path} answered {code}")
-        return data
-
     async def _is_sleeping(self) -> bool:
-        """C{GET /is_sleeping}. @raise _Transport: unreachable."""
-        code, data = await self._call("GET", "/is_sleeping", self.manager.call_timeout)
-        if code in (502, 503, 504):
-            raise _Transport(f"GET /is_sleeping answered {code}")
-        if code == 404:
-            if not self.warned_no_dev_mode:
-                self.warned_no_dev_mode = True
-                log.warn(
-                    "vLLM service {service} has no sleep API (dev mode off?)",
-                    service=self.name,
-                )
-            return False
-        if code != 200:
-            raise _WakeError(f"GET /is_sleeping answered {code}")
-        try:
-            return bool(json.loads(data)["is_sleeping"])
-        except (ValueError, KeyError, TypeError):
-            raise _WakeError("GET /is_sleeping: unreadable answer") from None
+        """C{GET /is_sleeping}. @raise NoAnswer: unreachable."""
+        return await self.client.is_sleeping(self.settings.call_timeout)
 
     async def _pause(self) -> None:
-        await deferLater(self.clock, self.manager.health_poll, lambda: None)
+        await deferLater(self.clock, self.settings.health_poll, lambda: None)
 
     async def _healthy(self, deadline: float) -> None:
         """Poll C{/health} until 200. @raise _Unreachable, _WakeError."""
         while True:
             reachable = True
             try:
-                code, _ = await self._call("GET", "/health", self.manager.call_timeout)
-            except _Transport:
+                code = await self.client.health(self.settings.call_timeout)
+            except NoAnswer:
                 code, reachable = 0, False
             if code == 200:
                 return
@@ -517,11 +509,11 @@ class _Core:
             while True:
                 try:
                     return await self._is_sleeping()
-                except _Transport as e:
+                except NoAnswer as e:
                     if not self.unreachable:
                         self.unreachable = True
                         self.extend_holds()
-                        self.manager.changed(self)
+                        self.changed()
                     await self._healthy(deadline)
                     # /health answers but /is_sleeping does not
                     if self.clock.seconds() >= deadline:
@@ -530,7 +522,7 @@ class _Core:
         finally:
             if self.unreachable:
                 self.unreachable = False
-                self.manager.changed(self)
+                self.changed()
 
     async def _check(self) -> bool | None:
         """
@@ -540,7 +532,7 @@ class _Core:
         while True:
             try:
                 return await self._is_sleeping()
-            except (_Transport, _WakeError) as e:
+            except (NoAnswer, BadAnswer) as e:
                 if self.phase != "unknown":
                     raise CancelledError() from e
                 retry = self.first_tier()
@@ -568,22 +560,22 @@ class _Core:
             await self._wake_once()
 
     async def _wake_once(self) -> None:
-        manager = self.manager
-        deadline = self.clock.seconds() + manager.wake_timeout
+        settings, client = self.settings, self.client
+        deadline = self.clock.seconds() + settings.wake_timeout
         left = self._left
         if await self._probe(deadline):
             # requests forwarded before it was found asleep wait for it too
             self.hold_forwarded()
             depth = self.depth()
             self.waking_from = depth
-            manager.metrics.wake(self.name, depth)
+            self.metrics.wake(self.name, depth)
             log.info(
                 "vLLM service {service} waking from {depth}",
                 service=self.name,
                 depth=depth.value,
             )
             self.set_reload_pending(True)
-            await self._expect("POST", "/wake_up", left(deadline, manager.wake_timeout))
+            await client.wake_up(timeout=left(deadline, settings.wake_timeout))
             while await self._is_sleeping():
                 if self.clock.seconds() >= deadline:
                     raise _WakeError("still sleeping after /wake_up")
@@ -591,43 +583,36 @@ class _Core:
         if self.reload_pending:
             # also when an earlier attempt (or nvproxy instance) got past
             # /wake_up but not through the reload: never half-awake
-            await self._expect(
-                "POST",
-                "/collective_rpc",
-                left(deadline, manager.wake_timeout),
-                {"method": "reload_weights"},
-            )
-            await self._expect(
-                "POST", "/reset_prefix_cache", left(deadline, manager.call_timeout)
-            )
+            await client.reload_weights(left(deadline, settings.wake_timeout))
+            await client.reset_prefix_cache(left(deadline, settings.call_timeout))
             self.set_reload_pending(False)
         await self._healthy(deadline)
 
     async def _sleep(self, level: int, escalate: bool) -> int:
-        timeout = self.manager.wake_timeout
+        timeout = self.settings.wake_timeout
         deadline = self.clock.seconds() + timeout
-        if escalate and self.manager.escalate_by_wake:
+        if escalate and self.settings.escalate_by_wake:
             await self._resleep(level, deadline)
             return level
-        code, _ = await self._call("POST", f"/sleep?level={level}&mode=wait", timeout)
-        if code == 200:
+        try:
+            await self.client.sleep(level, "wait", timeout)
             return level
-        if not escalate:
-            raise _WakeError(f"POST /sleep?level={level} answered {code}")
-        log.warn(
-            "vLLM service {service} refused level 2 over level 1 ({code});"
-            " waking it to offload",
-            service=self.name,
-            code=code,
-        )
+        except BadAnswer as e:
+            if not escalate:
+                raise _WakeError(f"POST /sleep?level={level} answered {e.code}") from e
+            log.warn(
+                "vLLM service {service} refused level 2 over level 1 ({code});"
+                " waking it to offload",
+                service=self.name,
+                code=e.code,
+            )
         await self._resleep(level, deadline)
         return level
 
     async def _resleep(self, level: int, deadline: float) -> None:
-        timeout = self.manager.wake_timeout
-        await self._expect("POST", "/wake_up", self._left(deadline, timeout))
-        path = f"/sleep?level={level}&mode=wait"
-        await self._expect("POST", path, self._left(deadline, timeout))
+        timeout = self.settings.wake_timeout
+        await self.client.wake_up(timeout=self._left(deadline, timeout))
+        await self.client.sleep(level, "wait", self._left(deadline, timeout))
 
 
 def _refuse(reply: Deferred[None] | None, why: str) -> None:
@@ -649,7 +634,7 @@ def _awake_data(inputs: _Inputs, core: _Core) -> _Idle:
     if core.waking_from is not None and core.wake_started is not None:
         took = core.verified_at - core.wake_started
         core.observed[core.waking_from] = took
-        core.manager.metrics.woke(core.name, core.waking_from, took)
+        core.metrics.woke(core.name, core.waking_from, took)
         log.info(
             "vLLM service {service} awake after {seconds:.1f}s from {depth}",
             service=core.name,
@@ -660,7 +645,7 @@ def _awake_data(inputs: _Inputs, core: _Core) -> _Idle:
     # a wake (or check) restarts the idle clock: the held callers may have
     # given up long ago, their retries are coming
     core.last_activity = core.verified_at
-    core.manager.changed(core)
+    core.changed()
     idle = _Idle()
     core.arm(idle)
     return idle
@@ -671,7 +656,7 @@ def _asleep_data(inputs: _Inputs, core: _Core, level: int | None) -> _Idle:
     core.level = level
     core.unreachable = False
     core.wake_started = None
-    core.manager.changed(core)
+    core.changed()
     idle = _Idle()
     core.arm(idle)
     return idle
@@ -685,7 +670,7 @@ def _checking_data(inputs: _Inputs, core: _Core) -> _Op:
 def _waking_data(inputs: _Inputs, core: _Core) -> _Op:
     core.recheck = core.phase == "awake"
     core.phase = "waking"
-    core.manager.changed(core)
+    core.changed()
     return core.start_wake()
 
 
@@ -694,7 +679,7 @@ def _sleeping_data(
 ) -> _Op:
     op = core.start_sleep(level, reply)
     core.phase = "sleeping"
-    core.manager.changed(core)
+    core.changed()
     return op
 
 
@@ -760,7 +745,7 @@ def _wake_failed(inputs: _Inputs, core: _Core, op: _Op, level: int | None) -> No
 def _unreachable(inputs: _Inputs, core: _Core, op: _Op) -> None:
     core.phase = "down"
     core.wake_started = None
-    core.manager.changed(core)
+    core.changed()
     core.release(core.waking_error(failed=True))
 
 
@@ -855,7 +840,7 @@ unknown.upon(_Inputs.begin_sleep).to(sleeping).returns(None)
 
 @sleeping.upon(_Inputs.slept).to(asleep)
 def _slept(inputs: _Inputs, core: _Core, op: _Op, level: int | None) -> None:
-    core.manager.metrics.slept(core.name, level)
+    core.metrics.slept(core.name, level)
     log.info(
         "vLLM service {service} asleep at level {sleep_level}",
         service=core.name,
@@ -871,7 +856,7 @@ def _slept(inputs: _Inputs, core: _Core, op: _Op, level: int | None) -> None:
 def _sleep_failed(inputs: _Inputs, core: _Core, op: _Op) -> None:
     core.phase = "unknown"
     core.level = None
-    core.manager.changed(core)
+    core.changed()
     if op.reply is not None:
         error = core.last_sleep_error
         op.reply.errback(error if isinstance(error, Exception) else Refused("failed"))
@@ -935,7 +920,7 @@ def _still_asleep(inputs: _Inputs, core: _Core, idle: _Idle, level: int | None) 
             previous=core.level,
         )
         core.level = level
-        core.manager.changed(core)
+        core.changed()
         core.arm(idle)  # the next tier depends on the level
 
 

@@ -18,13 +18,13 @@ from twisted.logger import Logger
 
 from nvproxy.config import VllmHold, VllmServiceConfig
 from nvproxy.ports import atomic_write
-from nvproxy.vllm._errors import Depth, ManagerStopped, Refused, UnknownService, Waking
-from nvproxy.vllm._machine import _Core, _Forwarded, _ServiceMachine
+from nvproxy.vllm._client import SleepApiClient
+from nvproxy.vllm._errors import Depth, UnknownService
+from nvproxy.vllm._machine import _Core, _Forwarded, _ServiceMachine, _Settings
 from nvproxy.vllm._poll import _Poller
 from nvproxy.vllm._registry import VllmRegistry
 
 if TYPE_CHECKING:
-    from klein import Klein
     from prometheus_client import CollectorRegistry
     from treq.client import HTTPClient
 
@@ -158,14 +158,32 @@ class VllmManager(Service):
         old = self._cores
         self._cores = {}
         self._pollers = {}
+        settings = _Settings(
+            wake_timeout=self.wake_timeout,
+            health_poll=self.health_poll,
+            call_timeout=self.call_timeout,
+            escalate_by_wake=self.escalate_by_wake,
+        )
         for service in self.registry.services:
-            core = _Core(self, service)
+            client = SleepApiClient(
+                self.http, self.clock, service.url, service.name, self.call_timeout
+            )
+            core = _Core(
+                service,
+                clock=self.clock,
+                hold=self.hold,
+                client=client,
+                metrics=self.metrics,
+                changed=self.changed,
+                settings=settings,
+            )
             core.machine = _ServiceMachine(core)
             if service.name in old:
                 core.observed = old[service.name].observed
             self._cores[service.name] = core
             if self.poll_interval is not None and self.poll_interval > 0:
-                self._pollers[service.name] = _Poller(core, self.poll_interval)
+                poller = _Poller(core, client, self.poll_interval)
+                self._pollers[service.name] = poller
 
     def _core(self, name: str) -> _Core:
         try:
@@ -251,7 +269,7 @@ class VllmManager(Service):
         self._written = raw
         return services
 
-    def changed(self, core: _Core) -> None:
+    def changed(self) -> None:
         """Persist the wake intent of every service if it changed."""
         if self._stopping:
             return
@@ -393,55 +411,3 @@ class VllmManager(Service):
                 }
             )
         return out
-
-
-# ----------------------------------------------------------------- admin
-
-
-def _json(request: Any, status: int, body: object) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    return json.dumps(body, sort_keys=True).encode() + b"\n"
-
-
-def admin_routes(app: Klein, manager: VllmManager) -> None:
-    """
-    Add C{POST /admin/wake/<service>} and C{POST /admin/sleep/<service>
-    ?level=1|2} (FD §6.5) to the admin app: 200 with the new state; 404
-    unknown service; 400 bad level; 409 refused (active requests, busy,
-    down); 503 not awake (wake failed, with C{sleep_depth}); 502 the
-    service answered the sleep with an error.
-    """
-
-    @app.route("/admin/wake/<service>", methods=["POST"])
-    async def wake(request: Any, service: str) -> bytes:
-        if service not in manager._cores:
-            return _json(request, 404, {"error": f"unknown vLLM service {service!r}"})
-        try:
-            await manager.wake(service)
-        except Waking as e:
-            request.setHeader(b"retry-after", b"%d" % e.retry_after)
-            return _json(request, 503, {"error": str(e), "sleep_depth": e.depth.value})
-        except ManagerStopped:
-            return _json(request, 503, {"error": "shutting down"})
-        return _json(request, 200, {"service": service, "state": "awake"})
-
-    @app.route("/admin/sleep/<service>", methods=["POST"])
-    async def sleep(request: Any, service: str) -> bytes:
-        raw = request.args.get(b"level", [b"1"])[0]
-        if raw not in (b"1", b"2"):
-            return _json(request, 400, {"error": "level must be 1 or 2"})
-        level = int(raw)
-        if service not in manager._cores:
-            return _json(request, 404, {"error": f"unknown vLLM service {service!r}"})
-        try:
-            await manager.sleep(service, level)
-        except Refused as e:
-            return _json(request, 409, {"error": f"refused: {e}"})
-        except ManagerStopped:
-            return _json(request, 503, {"error": "shutting down"})
-        except Exception as e:
-            return _json(request, 502, {"error": f"sleep failed: {e}"})
-        return _json(
-            request, 200, {"service": service, "state": "asleep", "level": level}
-        )

@@ -16,7 +16,8 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from nvproxy.vllm._machine import _Core, _Transport, _WakeError
+from nvproxy.vllm._client import BadAnswer, NoAnswer, SleepApi
+from nvproxy.vllm._machine import _Core
 
 log = Logger()
 
@@ -87,14 +88,16 @@ def parse_sleep_state(metrics: bytes) -> Observed | None:
 
 class _Poller:
     """
-    Polls one service every C{interval} while it is not being woken or put
-    to sleep by nvproxy (those operations look for themselves), and hands
-    what it finds to L{_Core.observe} unless the state changed meanwhile.
+    Polls one service (over C{client}) every C{interval} while it is not
+    being woken or put to sleep by nvproxy (those operations look for
+    themselves), and hands what it finds to L{_Core.observe} unless the
+    state changed meanwhile.
     One poll at a time: the next is scheduled when one ends.
     """
 
-    def __init__(self, core: _Core, interval: float) -> None:
+    def __init__(self, core: _Core, client: SleepApi, interval: float) -> None:
         self.core = core
+        self.client = client
         self.interval = interval
         self._timer: IDelayedCall | None = None
         self._look: Deferred[Any] | None = None
@@ -175,19 +178,15 @@ class _Poller:
 
     async def _once(self) -> Observed | None:
         """The gauge, else C{/is_sleeping}; None without an answer."""
-        core = self.core
-        timeout = core.manager.call_timeout
         try:
-            code, data = await core._call("GET", "/metrics", timeout)
-        except _Transport:
-            code, data = 0, b""
-        if code == 200:
-            observed = parse_sleep_state(data)
-            if observed is not None:
-                return observed
+            observed = parse_sleep_state(await self.client.metrics())
+        except (NoAnswer, BadAnswer):
+            observed = None
+        if observed is not None:
+            return observed
         if self._stopped:
             return None
         try:
-            return Observed(await core._is_sleeping())
-        except (_Transport, _WakeError):
+            return Observed(await self.client.is_sleeping())
+        except (NoAnswer, BadAnswer):
             return None

@@ -13,6 +13,9 @@ L{tests.integration.vllm_real}); then::
 What each test observed is printed and written to
 C{~/.cache/nvproxy/vllm-real-findings.json}; the assertions pin the
 behaviour the driver relies on, so a vLLM upgrade that changes it fails here.
+L{RealVllmContractTests} runs the contract of L{tests.vllm_contract} (the
+API facts the driver relies on) against the real server, the same tests
+L{tests.test_fakevllm} runs against L{nvproxy.testing.fakevllm.FakeVLLM}.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import treq
@@ -35,6 +38,7 @@ from nvproxy.config import VllmServiceConfig
 from nvproxy.service import NvProxy
 from nvproxy.testing.harness import Client, facade_url, proxy_config, start_proxy
 from tests.integration import vllm_real
+from tests.vllm_contract import VllmContract
 
 MODEL = vllm_real.SERVED_NAME
 GAUGE = "vllm:engine_sleep_state"
@@ -637,3 +641,40 @@ class RealVllmTests(TestCase):
             facts["wake_up_full"], [200, {"status": "awake", "tags": None}]
         )
         self.assertEqual(facts["sleep_level_3"], 400)
+
+
+class RealVllmContractTests(VllmContract, TestCase):
+    """
+    The vLLM contract (L{tests.vllm_contract}) against the real server: the
+    same tests L{tests.test_fakevllm.FakeVllmContractTests} runs against
+    the fake, so a fact the fake imitates and the real vLLM does not hold
+    fails here.
+    """
+
+    timeout = 420  # the first test may wait for the server to start
+    model = MODEL
+    call_timeout = 120.0
+
+    def setUp(self) -> Deferred[None]:  # type: ignore[override]
+        return Deferred.fromCoroutine(self._setUp())
+
+    async def _setUp(self) -> None:
+        reason = _skip_reason()
+        if reason is not None:
+            raise SkipTest(reason)
+        self.clock = reactor
+        client = Client(reactor)
+        self.addCleanup(client.close)
+        self.http = client.http
+        server = await vllm_real.shared_server(reactor)
+        self.base_url = server.url
+        self.addCleanup(lambda: Deferred.fromCoroutine(self._awake()))
+        await self._awake()
+
+    async def _awake(self) -> None:
+        """Awake with its weights loaded, whatever a test left behind."""
+        if await self.api().is_sleeping():
+            await self.wake_fully()
+
+    def drive(self, coroutine: Coroutine[Any, Any, None]) -> Deferred[None]:
+        return Deferred.fromCoroutine(coroutine)
