@@ -28,8 +28,8 @@ from nvproxy.workload import WorkloadRecorder, WorkloadTracker
 
 log = Logger()
 
-Awake = Callable[[str, NodeEntry, str | None], bool]
-"""(engine id, node entry, model) -> whether the node can serve without waking."""
+Awake = Callable[[NodeEntry, str | None], bool]
+"""(node entry, model) -> whether the node serves without waking (a backend's)."""
 
 _STOPPED = frozenset({"client_gone", RejectReason.SHUTDOWN.value})
 """Job endings that abort the attempt in flight: its failure is ours."""
@@ -47,7 +47,6 @@ class Accounting:
         recorder: WorkloadRecorder,
         metrics: Metrics,
         pins: Mapping[str, str],
-        awake: Awake | None = None,
         outliers: OutlierTable | None = None,
     ) -> None:
         self.clock = clock
@@ -55,17 +54,25 @@ class Accounting:
         self.recorder = recorder
         self.metrics = metrics
         self.pins = pins
-        self.awake = awake
         self.outliers = outliers
 
     def begin(
-        self, engine: Engine, model: str | None, kind: RouteKind
+        self,
+        engine: Engine,
+        model: str | None,
+        kind: RouteKind,
+        awake: Awake | None = None,
     ) -> RequestAccounting:
+        """
+        One request's accounting; C{awake} (the facade backend's readiness)
+        orders awake owners first.
+        """
         inference = kind is RouteKind.INFERENCE and model is not None
         return RequestAccounting(
             self,
             engine,
             model,
+            awake,
             self.metrics.observer(self.clock, engine.id, kind.value),
             self.recorder.begin(engine.id, model) if inference and model else None,
             ReservationTracker(self.reservations) if inference else None,
@@ -94,6 +101,7 @@ class RequestAccounting:
         shared: Accounting,
         engine: Engine,
         model: str | None,
+        awake: Awake | None,
         metrics: RequestMetrics,
         workload: WorkloadTracker | None,
         reservations: ReservationTracker | None,
@@ -102,6 +110,7 @@ class RequestAccounting:
         self._shared = shared
         self._engine = engine
         self._model = model
+        self._awake = awake
         self._metrics = metrics
         self._workload = workload
         self._reservations = reservations
@@ -126,11 +135,10 @@ class RequestAccounting:
         shared = self._shared
         by_id = {entry.node_id: entry for entry in entries}
         awake_fn: Callable[[str], bool] | None = None
-        if shared.awake is not None:
-            awake = shared.awake
-            engine_id = self._engine.id
+        if self._awake is not None:
+            awake = self._awake
             model = self._model
-            awake_fn = lambda node: awake(engine_id, by_id[node], model)  # noqa: E731
+            awake_fn = lambda node: awake(by_id[node], model)  # noqa: E731
         ejected_fn: Callable[[str], bool] | None = None
         if shared.outliers is not None:
             is_ejected = shared.outliers.is_ejected

@@ -23,6 +23,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from nvproxy.engines import ENGINES
+from nvproxy.logs import describe
 
 log = Logger()
 
@@ -260,7 +261,7 @@ class PollingDiscovery(Service):
                     "{engine} node {node} stopped answering its model list: {error}",
                     engine=endpoint.engine,
                     node=endpoint.node_id,
-                    error=_short(reason),
+                    error=describe(reason),
                 )
 
         def settled(_: object) -> None:
@@ -293,9 +294,3 @@ class PollingDiscovery(Service):
                 node_id, endpoints[0].kind, models, tuple(endpoints)
             )
         self.discovery.publish(engines)
-
-
-def _short(reason: Any) -> str:
-    value = getattr(reason, "value", reason)
-    text = f"{type(value).__name__}: {value}"
-    return text[:200]

@@ -43,6 +43,7 @@ class RouteKind(Enum):
 
 ErrorDialect = Literal["ollama", "openai"]
 StreamDialect = Literal["ollama", "openai", "llamacpp"]
+BackendKind = Literal["http", "vllm"]
 
 
 @frozen
@@ -121,6 +122,9 @@ class Engine:
     @ivar inference: C{(method, path)} pairs of model-bearing routes.
     @ivar inventory: facade path -> the model list it serves (merged).
     @ivar poll: the model list discovery polls on each node's engine.
+    @ivar backend: which L{nvproxy.proxy.backends} kind serves this node's
+        engine: C{"http"} (a plain HTTP engine) or C{"vllm"} (the front door
+        over registered services that sleep and wake, FD §6).
     """
 
     id: str
@@ -135,6 +139,7 @@ class Engine:
     error_dialect: ErrorDialect
     stream_dialect: StreamDialect
     implicit_tag: str | None = None
+    backend: BackendKind = "http"
 
     def classify(self, method: bytes, path: str) -> RouteKind:
         """
@@ -318,6 +323,7 @@ VLLM = Engine(
     poll=_OPENAI_MODELS,
     error_dialect="openai",
     stream_dialect="openai",
+    backend="vllm",
 )
 
 ENGINES: Mapping[str, Engine] = {e.id: e for e in (OLLAMA, LMSTUDIO, LLAMACPP, VLLM)}

@@ -161,3 +161,14 @@ def twistd_observer() -> ILogObserver:
     inner = json_observer(out) if settings["format"] == "json" else text_observer(out)
     set_level(str(settings["level"]))
     return level_filtered(inner)
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """A log field's text, cut to C{limit} characters (paths, error texts)."""
+    return text[:limit]
+
+
+def describe(error: object) -> str:
+    """An exception (or a L{Failure}'s) as a short log field: type, text."""
+    value = getattr(error, "value", error)
+    return clip(f"{type(value).__name__}: {value}")

@@ -24,7 +24,9 @@ from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
 from nvproxy.proxy.attempt import (
     DRAIN_LIMIT,
     DRAIN_TIMEOUT,
+    AttemptSettings,
     HttpAttempt,
+    HttpTarget,
     UpstreamRequest,
 )
 from nvproxy.proxy.client import (
@@ -166,18 +168,21 @@ class _AttemptCase(SynchronousTestCase):
     def start(
         self, final: bool = False, timeout: float = TIMEOUT, idle: float = 0.0
     ) -> HttpAttempt:
-        return HttpAttempt(
-            stream_idle_timeout=idle,
+        settings = AttemptSettings(
             agent=self.agent,
             clock=self.clock,
-            node_id="n1",
-            url=b"http://engine/v1/chat/completions?x=1",
-            request=self.upstream,
-            client=self.client,
-            final=final,
-            response_timeout=timeout,
             cooperator=Cooperator(scheduler=lambda f: self.clock.callLater(0, f)),
+            response_timeout=timeout,
+            stream_idle_timeout=idle,
         )
+        target = HttpTarget(
+            settings,
+            "n1",
+            b"http://engine/v1/chat/completions?x=1",
+            self.upstream,
+            self.client,
+        )
+        return target.start(final)
 
 
 class AttemptTests(_AttemptCase):
@@ -413,18 +418,16 @@ class AttemptTests(_AttemptCase):
 
     def test_failures_reported(self) -> None:
         kinds: list[str] = []
-        attempt = HttpAttempt(
-            agent=self.agent,
-            clock=self.clock,
-            node_id="n1",
-            url=b"http://engine/",
-            request=self.upstream,
-            client=self.client,
-            final=False,
-            response_timeout=TIMEOUT,
-            cooperator=None,
+        settings = AttemptSettings(self.agent, self.clock, None, TIMEOUT)
+        target = HttpTarget(
+            settings,
+            "n1",
+            b"http://engine/",
+            self.upstream,
+            self.client,
             on_failure=kinds.append,
         )
+        attempt = target.start(False)
         self.agent.pending[0].callback(response(429))
         self.successResultOf(attempt.result)
         self.assertEqual(kinds, ["status"])

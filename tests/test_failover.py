@@ -171,20 +171,20 @@ class PanicTests(ProxyTestCase):
     async def test_bug_answers_500_only_for_that_request(self) -> None:
         fake = await self.engine("openai", ["m"])
         proxy = await self.proxy({"lmstudio": fake.url, "vllm": fake.url})
-        facade = proxy.facades["lmstudio"]
-        original = facade._model
+        backend = proxy.facades["lmstudio"].backend
+        original = backend.resolve
 
-        def broken(request: object) -> str:
+        def broken(*args: object) -> str:
             raise RuntimeError("a bug")
 
-        facade._model = broken  # type: ignore[method-assign]
+        backend.resolve = broken  # type: ignore[method-assign,assignment]
         code, _, body = await self.post(
             facade_url(proxy, "lmstudio") + "/v1/chat/completions", {"model": "m"}
         )
         self.assertEqual(code, 500)
         self.assertEqual(json.loads(body)["error"]["message"], "internal proxy error")
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
-        facade._model = original  # type: ignore[method-assign]
+        backend.resolve = original  # type: ignore[method-assign]
         for engine in ("lmstudio", "vllm"):
             code, _, _ = await self.post(
                 facade_url(proxy, engine) + "/v1/chat/completions", {"model": "m"}

@@ -23,7 +23,12 @@ from twisted.trial.unittest import TestCase
 from twisted.web.http_headers import Headers
 
 from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
-from nvproxy.proxy.attempt import HttpAttempt, UpstreamRequest
+from nvproxy.proxy.attempt import (
+    AttemptSettings,
+    HttpAttempt,
+    HttpTarget,
+    UpstreamRequest,
+)
 from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.upstream import Upstream
 from tests.test_attempt import FakeClientRequest
@@ -143,17 +148,17 @@ class ReuseTests(TestCase):
         assert engine.port is not None
         url = b"http://127.0.0.1:%d/v1/chat/completions" % engine.port.getHost().port
         client = FakeClientRequest()
-        attempt = HttpAttempt(
-            agent=self.upstream.agent,
-            clock=reactor,
-            node_id="n",
-            url=url,
-            request=_request(request_id),
-            client=ClientSide(client, lambda s, m, c: m.encode()),
-            final=final,
-            response_timeout=5.0,
-            cooperator=self.upstream.cooperator,
+        settings = AttemptSettings(
+            self.upstream.agent, reactor, self.upstream.cooperator, 5.0
         )
+        target = HttpTarget(
+            settings,
+            "n",
+            url,
+            _request(request_id),
+            ClientSide(client, lambda s, m, c: m.encode()),
+        )
+        attempt = target.start(final)
         return attempt, client
 
     async def committed(self, attempt: HttpAttempt) -> StreamEnd:

@@ -42,6 +42,7 @@ from nvproxy.dispatch import (
     is_retryable_status,
 )
 from nvproxy.inferstats import StatsMeter
+from nvproxy.logs import describe
 from nvproxy.proxy.client import (
     IDLE_MESSAGE,
     TRUNCATED_MESSAGE,
@@ -112,38 +113,61 @@ class _Gate(Protocol):
         self._attempt._body_ended(reason)
 
 
+@frozen
+class AttemptSettings:
+    """
+    What every attempt to an HTTP upstream shares: the data-path agent (on
+    the shared pool), the clock, the cooperator that streams large bodies,
+    and the timeouts of spec §5.1 (C{response_timeout}: headers, then the
+    first body byte; C{0} disables both) and C{dispatch.stream_idle_timeout}.
+    """
+
+    agent: IAgent
+    clock: IReactorTime
+    cooperator: Any
+    response_timeout: float
+    stream_idle_timeout: float = 0.0
+
+
+@frozen
+class HttpTarget:
+    """
+    A dispatch target reached over HTTP at C{url}: a local engine, a direct
+    node's engine, or a peer's facade.  Implements L{nvproxy.dispatch.Target}.
+    """
+
+    settings: AttemptSettings
+    node_id: str
+    url: bytes
+    request: UpstreamRequest
+    client: ClientSide
+    meter: StatsMeter | None = None
+    on_failure: Callable[[str], None] | None = None
+
+    def start(self, final: bool) -> HttpAttempt:
+        return HttpAttempt(self, final)
+
+
 class HttpAttempt:
     """
     One dispatch to one upstream URL.  Implements L{nvproxy.dispatch.Attempt}.
     """
 
-    def __init__(
-        self,
-        *,
-        agent: IAgent,
-        clock: IReactorTime,
-        node_id: str,
-        url: bytes,
-        request: UpstreamRequest,
-        client: ClientSide,
-        final: bool,
-        response_timeout: float,
-        cooperator: Any,
-        meter: StatsMeter | None = None,
-        on_failure: Callable[[str], None] | None = None,
-        stream_idle_timeout: float = 0.0,
-    ) -> None:
-        self.node_id = node_id
-        self._meter = meter
-        self._on_failure = on_failure
-        self._idle_timeout = stream_idle_timeout
+    def __init__(self, target: HttpTarget, final: bool) -> None:
+        settings = target.settings
+        request = target.request
+        clock = settings.clock
+        self.node_id = target.node_id
+        self._meter = target.meter
+        self._on_failure = target.on_failure
+        self._idle_timeout = settings.stream_idle_timeout
         self._last_chunk = 0.0
         self.result: Deferred[Committed | AttemptFailed] = Deferred()
         self._clock = clock
-        self._client = client
+        self._client = target.client
         self._final = final
         self._inference = request.inference
-        self._timeout = response_timeout
+        self._timeout = response_timeout = settings.response_timeout
         self._state = _State.WAITING_HEADERS
         self._timer: IDelayedCall | None = None
         self._timed_out = False
@@ -152,11 +176,11 @@ class HttpAttempt:
         self._done: Deferred[StreamEnd] = Deferred()
         self._producer_registered = False
         headers = end_to_end(request.headers, REQUEST_DROP)
-        self._pending: Deferred[IResponse] | None = agent.request(
+        self._pending: Deferred[IResponse] | None = settings.agent.request(
             request.method,
-            url,
+            target.url,
             headers,
-            body_producer(request.content, cooperator),
+            body_producer(request.content, settings.cooperator),
         )
         if response_timeout > 0:
             self._timer = clock.callLater(response_timeout, self._header_timeout)
@@ -441,4 +465,4 @@ def _describe(reason: Failure, timed_out: bool) -> str:
     inner = getattr(value, "reasons", None)
     if inner:
         value = inner[0].value
-    return f"{type(value).__name__}: {value}"[:200]
+    return describe(value)

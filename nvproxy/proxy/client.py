@@ -16,6 +16,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
+from nvproxy.jsonhttp import write_json
 from nvproxy.proxy.upstream import end_to_end
 
 
@@ -107,17 +108,8 @@ class ClientSide:
         """
         if self.gone or self.request.finished:
             return
-        request = self.request
         body = self._error_body(status, message, code)
-        request.setResponseCode(status)
-        request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
-        request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
-        if retry_after is not None:
-            request.responseHeaders.setRawHeaders(
-                b"retry-after", [str(retry_after).encode()]
-            )
-        request.write(body)
-        request.finish()
+        write_json(self.request, status, body, retry_after)
 
 
 CUT_GRACE = 5.0
