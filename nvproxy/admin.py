@@ -3,13 +3,15 @@
 The admin API: a Klein app served only on a loopback listener (DESIGN §2).
 
 JSON in and out.  Routes that need a part of nvproxy that is not configured
-answer 404 in JSON rather than pretending.
+answer 404 in JSON rather than pretending.  Each route parses its request,
+calls one of L{nvproxy.ops.Operations}' methods (the same ones the broker
+link calls) and renders the answer or the L{OperationError}.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from klein import Klein
@@ -20,13 +22,15 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nvproxy.engines import ENGINES
+from nvproxy.jsonhttp import json_bytes, set_json
+from nvproxy.ops import OperationError
 
 log = Logger()
 
 
 class AdminBackend(Protocol):
     """
-    What the admin API reads and drives; the service implements it.
+    What the admin API reads and drives: L{nvproxy.ops.Operations}.
     """
 
     def status(self) -> Mapping[str, Any]: ...
@@ -37,18 +41,19 @@ class AdminBackend(Protocol):
 
     def recent_workloads(self, limit: int) -> list[Any]: ...
 
+    def wake(self, service: str) -> Deferred[Mapping[str, Any]]: ...
 
-class AdminError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+    def sleep(self, service: str, level: int) -> Deferred[Mapping[str, Any]]: ...
+
+
+#: What a route raises to answer with an error (the operations' own error).
+AdminError = OperationError
 
 
 def _json(request: Any, status: int, body: object) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    return json.dumps(body, indent=None, sort_keys=True).encode() + b"\n"
+    data = json_bytes(body)
+    set_json(request, status, data)
+    return data
 
 
 def _body(request: Any) -> dict[str, Any]:
@@ -71,18 +76,22 @@ def _engine(name: str) -> str:
 def admin_app(
     backend: AdminBackend,
     registry: CollectorRegistry,
-    extra: Callable[[Klein], None] | None = None,
+    *,
+    vllm: bool = False,
 ) -> Klein:
     """
-    Build the admin app over C{backend}; C{extra} may add routes (vLLM).
+    Build the admin app over C{backend}; C{vllm} adds the wake and sleep
+    routes (FD §6.5), which are not found on a node with no vLLM service.
     """
     app = Klein()
 
-    @app.handle_errors(AdminError)
+    @app.handle_errors(OperationError)
     def admin_error(request: Any, failure: Failure) -> bytes:
         error = failure.value
-        assert isinstance(error, AdminError)
-        return _json(request, error.status, {"error": error.message})
+        assert isinstance(error, OperationError)
+        if error.retry_after is not None:
+            request.setHeader(b"retry-after", b"%d" % error.retry_after)
+        return _json(request, error.status, {**error.details, "error": error.message})
 
     @app.handle_errors(Exception)
     def internal(request: Any, failure: Failure) -> bytes:
@@ -136,6 +145,27 @@ def admin_app(
     def not_found(request: Any) -> bytes:
         return _json(request, 404, {"error": "not found"})
 
-    if extra is not None:
-        extra(app)
+    if vllm:
+        _vllm_routes(app, backend)
     return app
+
+
+def _vllm_routes(app: Klein, backend: AdminBackend) -> None:
+    """
+    C{POST /admin/wake/<service>} and C{POST /admin/sleep/<service>
+    ?level=1|2} (FD §6.5): 200 with the new state; 404 unknown service; 400
+    bad level; 409 refused (active requests, busy, down); 503 not awake
+    (wake failed, with C{sleep_depth}) or shutting down; 502 the service
+    answered the sleep with an error.
+    """
+
+    @app.route("/admin/wake/<service>", methods=["POST"])
+    async def wake(request: Any, service: str) -> bytes:
+        return _json(request, 200, await backend.wake(service))
+
+    @app.route("/admin/sleep/<service>", methods=["POST"])
+    async def sleep(request: Any, service: str) -> bytes:
+        raw = request.args.get(b"level", [b"1"])[0]
+        if raw not in (b"1", b"2"):
+            raise AdminError(400, "level must be 1 or 2")
+        return _json(request, 200, await backend.sleep(service, int(raw)))

@@ -40,9 +40,9 @@ from twisted.logger import Logger
 from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 
-from nvproxy.admin import AdminError
 from nvproxy.engines import ENGINES
 from nvproxy.logs import LEVELS
+from nvproxy.ops import OperationError
 from nvproxy.scheduler import SchedulerSnapshot
 from nvproxy.workload import WorkloadInfo, notification
 
@@ -69,7 +69,8 @@ class ControlError(Exception):
 
 class ControlTarget(Protocol):
     """
-    What the broker drives; the service implements it.
+    What the broker drives: L{nvproxy.ops.Operations}, the same methods the
+    admin API calls where the operation is the same.
     """
 
     def enable_facade(
@@ -174,13 +175,13 @@ class ControlLink(LineOnlyReceiver):
                 error = failure.value
                 assert isinstance(error, ControlError)
                 code, text = error.code, error.message
-            elif failure.check(AdminError):
+            elif failure.check(OperationError):
                 # The same refusals the admin API gives (engine not enabled,
                 # port taken): the broker's mistake or a busy port, not a bug.
-                admin = failure.value
-                assert isinstance(admin, AdminError)
-                code = INVALID_PARAMS if admin.status < 409 else SERVER_ERROR
-                text = admin.message
+                refused = failure.value
+                assert isinstance(refused, OperationError)
+                code = INVALID_PARAMS if refused.status < 409 else SERVER_ERROR
+                text = refused.message
             else:
                 log.failure("broker request {method} failed", failure, method=method)
                 code, text = SERVER_ERROR, "internal error"

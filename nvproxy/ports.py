@@ -20,16 +20,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from attrs import frozen
 from twisted.logger import Logger
 
+from nvproxy.config import EngineConfig
 from nvproxy.engines import ENGINES
-
-if TYPE_CHECKING:
-    from nvproxy.config import EngineConfig
-
 from nvproxy.files import atomic_write
 
 log = Logger()

@@ -7,34 +7,26 @@ wires them together.  It is the only module that imports the global reactor
 
 from __future__ import annotations
 
-import os
 import random
 import secrets
 import socket
 import sys
-from collections.abc import Mapping, Sequence
 from typing import IO, Any
-from urllib.parse import urlsplit
 
 from attrs import evolve
 from prometheus_client import CollectorRegistry
-from twisted.application.service import MultiService, Service
-from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, DeferredList, succeed
-from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.interfaces import (
-    IListeningPort,
     IOpenSSLClientConnectionCreator,
     IProtocolFactory,
 )
 from twisted.internet.stdio import StandardIO
 from twisted.logger import Logger
 from twisted.python import usage
-from twisted.python.failure import Failure
 
-from nvproxy import config as _config
 from nvproxy.accounting import Accounting
-from nvproxy.admin import AdminError, admin_app
+from nvproxy.admin import admin_app
 from nvproxy.cluster import (
     ClientTLS,
     ClusterDir,
@@ -46,180 +38,28 @@ from nvproxy.config import (
     Config,
     ConfigError,
     EngineConfig,
-    default_backend,
+    Options,
     resolve_node_id,
 )
 from nvproxy.control import ControlLink
-from nvproxy.discovery import Discovery, Endpoint, NodeEntry, PollingDiscovery
-from nvproxy.dispatch import Dispatcher, DispatchPolicy
-from nvproxy.engines import ENGINES
-from nvproxy.logs import configure_twistd, set_level
+from nvproxy.discovery import Discovery, Endpoint, PollingDiscovery
+from nvproxy.dispatch import Dispatcher
+from nvproxy.engines import ENGINES, Engine
 from nvproxy.metrics import Metrics
+from nvproxy.ops import Operations, effective_engine
 from nvproxy.outliers import EjectionPolicy, OutlierTable
-from nvproxy.ports import PortStore, SelectionStore, effective_port
-from nvproxy.proxy.facade import Facade
-from nvproxy.proxy.listener import DemuxFactory, tls_personality
-from nvproxy.proxy.pathnorm import is_hidden
+from nvproxy.ports import PortStore, SelectionStore
+from nvproxy.proxy.attempt import AttemptSettings
+from nvproxy.proxy.backends import Backend, HttpBackend, VllmBackend
+from nvproxy.proxy.facade import Facade, PeerFacade, personalities
+from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
 from nvproxy.proxy.site import FacadeSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
-from nvproxy.scheduler import ReservationMap, SchedulerSnapshot
-from nvproxy.vllm import VllmManager, admin_routes
+from nvproxy.scheduler import ReservationMap
+from nvproxy.vllm import VllmManager
 from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
 
 log = Logger()
-
-
-class Options(_config.Options):
-    """
-    twistd options; C{--log-format json} also switches twistd's own log
-    observer, which must be chosen while options are parsed (twistd starts
-    logging before it calls L{makeService}'s result).
-    """
-
-    def parseOptions(self, options: Any = None) -> None:
-        try:
-            super().parseOptions(options)  # type: ignore[no-untyped-call]
-        except usage.UsageError as e:
-            # One clear line, not twistd's whole usage text.
-            print(f"nvproxy: {e} (see twistd nvproxy --help)", file=sys.stderr)
-            raise SystemExit(2) from None
-
-    def postOptions(self) -> None:
-        try:
-            super().postOptions()
-        except usage.UsageError as e:
-            # One clear line, not twistd's whole usage text: the flags were
-            # fine, their values were not.
-            print(f"nvproxy: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        parent = getattr(self, "parent", None)
-        if parent is not None and not parent.get("logger"):
-            parent["logger"] = configure_twistd(
-                self.config.log_format,
-                self.config.log_level,
-                parent.get("logfile"),
-                bool(parent.get("nodaemon")),
-                stderr=self.config.control == "stdio",
-            )
-
-
-def _server_endpoint(reactor: Any, interface: str, port: int) -> Any:
-    if ":" in interface:
-        return TCP6ServerEndpoint(reactor, port, interface=interface)
-    return TCP4ServerEndpoint(reactor, port, interface=interface)
-
-
-class PortListener(Service):
-    """
-    One listening port whose failure to bind is logged and contained: the
-    other facades keep running (spec §3.2).
-    """
-
-    def __init__(
-        self,
-        reactor: Any,
-        label: str,
-        interface: str,
-        port: int,
-        factory: IProtocolFactory,
-        optional: bool = False,
-    ) -> None:
-        self._reactor = reactor
-        self._optional = optional
-        self.label = label
-        self.interface = interface
-        self.port = port
-        self._factory = factory
-        self.listening: IListeningPort | None = None
-        self.error: str | None = None
-        self.ready: Deferred[bool] = Deferred()
-
-    def startService(self) -> None:
-        super().startService()  # type: ignore[no-untyped-call]
-        self._listen()
-
-    def _listen(self) -> None:
-        endpoint = _server_endpoint(self._reactor, self.interface, self.port)
-        d = endpoint.listen(self._factory)
-        d.addCallbacks(self._listening, self._failed)
-
-    def _listening(self, port: IListeningPort) -> None:
-        self.listening = port
-        self.error = None
-        log.info(
-            "{label} listening on {interface}:{port}",
-            label=self.label,
-            interface=self.interface,
-            port=_port_of(port),
-        )
-        if not self.ready.called:
-            self.ready.callback(True)
-
-    def _failed(self, reason: Failure) -> None:
-        self.error = str(reason.value)
-        emit = log.warn if self._optional else log.error
-        emit(
-            "{label} cannot listen on {interface}:{port}: {error}",
-            label=self.label,
-            interface=self.interface,
-            port=self.port,
-            error=self.error,
-        )
-        if not self.ready.called:
-            self.ready.callback(False)
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()  # type: ignore[no-untyped-call]
-        port, self.listening = self.listening, None
-        if port is not None:
-            stopped: Deferred[None] | None = port.stopListening()
-            return stopped
-        return None
-
-    def move(self, port: int) -> Deferred[None]:
-        """
-        Listen on C{port} instead; the old port is released only once the
-        new one is bound, so a failed move leaves the facade where it was.
-        """
-        endpoint = _server_endpoint(self._reactor, self.interface, port)
-
-        async def move() -> None:
-            new = await endpoint.listen(self._factory)
-            old, self.listening = self.listening, new
-            self.port = port
-            self.error = None
-            log.info("{label} moved to port {port}", label=self.label, port=port)
-            if old is not None:
-                stopped = old.stopListening()
-                if stopped is not None:
-                    await stopped
-
-        return Deferred.fromCoroutine(move())
-
-    def bound_port(self) -> int | None:
-        if self.listening is None:
-            return None
-        return _port_of(self.listening)
-
-
-class CannotListen(Exception):
-    pass
-
-
-def _effective(
-    engine_config: EngineConfig, ports: PortStore, ignore_persisted: bool = False
-) -> EngineConfig:
-    port = effective_port(engine_config, ports, ignore_persisted)
-    backend = engine_config.backend
-    if not engine_config.backend_configured:
-        backend = default_backend(engine_config.id, port)
-    return evolve(engine_config, port=port, backend=backend)
-
-
-def _port_of(port: IListeningPort) -> int:
-    address = port.getHost()
-    assert isinstance(address, (IPv4Address, IPv6Address))
-    return address.port
 
 
 def local_endpoints(config: Config, node_id: str) -> list[Endpoint]:
@@ -230,10 +70,13 @@ def local_endpoints(config: Config, node_id: str) -> list[Endpoint]:
     for engine_config in config.engines.values():
         if not engine_config.enabled:
             continue
-        if engine_config.id == "vllm" and engine_config.services:
+        if engine_config.services:
+            # Registered services (the vLLM front door): one endpoint each.
             for service in engine_config.services:
                 endpoints.append(
-                    Endpoint(node_id, "vllm", "local", service.url, service.name)
+                    Endpoint(
+                        node_id, engine_config.id, "local", service.url, service.name
+                    )
                 )
         else:
             endpoints.append(
@@ -248,7 +91,9 @@ def local_endpoints(config: Config, node_id: str) -> list[Endpoint]:
 
 class NvProxy(MultiService):
     """
-    The whole daemon.  Also the admin API's backend.
+    The whole daemon: every part built from the config and connected.  What
+    runs at runtime on an operator's or the broker's request is
+    L{nvproxy.ops.Operations} (C{ops}).
     """
 
     def __init__(
@@ -283,7 +128,7 @@ class NvProxy(MultiService):
         # Persisted ports (§8) win over configured ones; a default backend
         # follows the facade's real port (the relocation rule).
         self.engine_configs = {
-            engine_id: _effective(engine_config, self.ports)
+            engine_id: effective_engine(engine_config, self.ports)
             for engine_id, engine_config in config.engines.items()
         }
         config = evolve(config, engines=self.engine_configs)
@@ -332,22 +177,39 @@ class NvProxy(MultiService):
         self.polling.setServiceParent(self)  # type: ignore[no-untyped-call]
         if cluster is not None:
             cluster.subscribe(lambda _state: self._cluster_changed())
-        dispatch = config.dispatch
         self.dispatcher = Dispatcher(
-            reactor,
-            DispatchPolicy(
-                max_attempts=dispatch.max_attempts,
-                deadline=dispatch.deadline,
-                backoff=dispatch.backoff,
-            ),
-            random=random.Random().random,
+            reactor, config.dispatch.policy, random=random.Random().random
         )
         self.reservations = ReservationMap()
         self.workloads = RingSink(maxlen=1000)
+        self.facades: dict[str, Facade] = {}
+        self.listeners: dict[str, PortListener] = {}
+        self.aliases: list[PortListener] = []
+        self.sites: dict[str, FacadeSite] = {}
+        self._engine_aliases: dict[str, list[PortListener]] = {}
+        self.ops = Operations(
+            node_id=node_id,
+            clock=reactor,
+            discovery=self.discovery,
+            dispatcher=self.dispatcher,
+            reservations=self.reservations,
+            outliers=self.outliers,
+            workloads=self.workloads,
+            pins=self.pins,
+            selections=self.selections,
+            ports=self.ports,
+            engine_configs=self.engine_configs,
+            listeners=self.listeners,
+            add_facade=self._add_facade,
+            remove_facade=self._remove_facade,
+            endpoints_changed=lambda: self.polling.set_endpoints(self._endpoints()),
+            cluster=cluster,
+            vllm=self.vllm,
+        )
         sinks: list[WorkloadSink] = [self.workloads]
         self.link: ControlLink | None = None
         if config.control == "stdio":
-            self.link = ControlLink(self, lambda: self._link_closed())
+            self.link = ControlLink(self.ops, lambda: self._link_closed())
             sinks.append(self.link)
         self._workload_file: IO[str] | None = None
         if config.workload_log is not None:
@@ -359,7 +221,9 @@ class NvProxy(MultiService):
                     "workloads.log", f"cannot open: {e.strerror}"
                 ) from None
             sinks.append(JsonLinesSink(self._workload_file))
-        self.metrics = Metrics(self.registry, self._reservation_counts, self.outliers)
+        self.metrics = Metrics(
+            self.registry, self.ops.reservation_counts, self.outliers
+        )
         self.accounting = Accounting(
             reactor,
             self.reservations,
@@ -371,14 +235,8 @@ class NvProxy(MultiService):
             ),
             self.metrics,
             self.pins,
-            awake=self._awake,
             outliers=self.outliers,
         )
-        self.facades: dict[str, Facade] = {}
-        self.listeners: dict[str, PortListener] = {}
-        self.aliases: list[PortListener] = []
-        self.sites: dict[str, FacadeSite] = {}
-        self._engine_aliases: dict[str, list[PortListener]] = {}
         if config.control is None:
             # With the broker link the process starts with no facade and
             # waits for facade/enable (spec §3).
@@ -387,12 +245,7 @@ class NvProxy(MultiService):
                     self._add_facade(engine_config)
         if config.admin_enabled:
             host, port = config.admin_listen
-            vllm = self.vllm
-            admin = admin_app(
-                self,
-                self.registry,
-                extra=(lambda app: admin_routes(app, vllm)) if vllm else None,
-            )
+            admin = admin_app(self.ops, self.registry, vllm=self.vllm is not None)
             site = _plain_site(admin.resource(), reactor)
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
@@ -454,26 +307,19 @@ class NvProxy(MultiService):
         peer = self.server_tls.peer(request.transport)
         return None if peer is None else peer.id
 
-    def _local_endpoint(self, engine_id: str, model: str | None) -> Endpoint | None:
-        entry = self.discovery.current.node(engine_id, self.node_id)
-        if entry is not None and model is not None and model in entry.models:
-            return entry.models[model]
-        for endpoint in local_endpoints(self.config, self.node_id):
-            if endpoint.engine == engine_id:
-                return endpoint
-        return None
-
-    def _awake(self, engine_id: str, entry: NodeEntry, model: str | None) -> bool:
+    def _backend(self, engine: Engine) -> Backend:
         """
-        Whether C{entry} can serve C{model} without a wake: only this node's
-        vLLM services are known to sleep (DESIGN §4: awake owners first).
+        This node's engine behind C{engine}'s facade, of the kind the engine
+        table names (a vLLM without registered services is plain HTTP).
         """
-        if self.vllm is None or entry.kind != "local" or model is None:
-            return True
-        endpoint = entry.models.get(model)
-        if endpoint is None or endpoint.service is None:
-            return True
-        return self.vllm.is_awake(endpoint.service)
+        local = [
+            endpoint
+            for endpoint in local_endpoints(self.config, self.node_id)
+            if endpoint.engine == engine.id and endpoint.kind == "local"
+        ]
+        if engine.backend == "vllm" and self.vllm is not None:
+            return VllmBackend(engine, self.discovery, self.node_id, local, self.vllm)
+        return HttpBackend(engine, self.discovery, self.node_id, local)
 
     def _facade_factory(self, site: IProtocolFactory) -> IProtocolFactory:
         tls = None
@@ -483,25 +329,35 @@ class NvProxy(MultiService):
 
     def _add_facade(self, engine_config: EngineConfig) -> None:
         engine = ENGINES[engine_config.id]
+        backend = self._backend(engine)
+        dispatch = self.config.dispatch
+        settings = AttemptSettings(
+            agent=self.upstream.agent,
+            clock=self.reactor,
+            cooperator=self.upstream.cooperator,
+            response_timeout=dispatch.response_header_timeout,
+            stream_idle_timeout=dispatch.stream_idle_timeout,
+        )
         facade = Facade(
-            engine=engine,
+            backend=backend,
             discovery=self.discovery,
             dispatcher=self.dispatcher,
-            agent=self.upstream.agent,
-            inventory=self.inventory_client,
-            clock=self.reactor,
-            response_timeout=self.config.dispatch.response_header_timeout,
-            stream_idle_timeout=self.config.dispatch.stream_idle_timeout,
-            cooperator=self.upstream.cooperator,
             accounting=self.accounting,
-            peer_of=self._peer_of,
-            local=lambda model: self._local_endpoint(engine.id, model),
-            vllm=self.vllm if engine.id == "vllm" else None,
-            hidden=is_hidden,
+            settings=settings,
+            inventory=self.inventory_client,
         )
+        peer = None
+        if self.server_tls is not None:
+            peer = PeerFacade(
+                backend=backend,
+                dispatcher=self.dispatcher,
+                accounting=self.accounting,
+                settings=settings,
+                peer_of=self._peer_of,
+            )
         limits = self.config.limits
         site = FacadeSite(
-            facade.resource(),
+            personalities(facade, peer),
             error_body=engine.error_body,
             max_body=limits.max_body,
             max_connections=limits.max_connections,
@@ -535,48 +391,12 @@ class NvProxy(MultiService):
         self.sites[engine.id] = site
         self.listeners[engine.id] = listener
 
-    # -- ControlTarget (the broker link) ------------------------------------
-
-    def enable_facade(
-        self,
-        engine: str,
-        port: int,
-        aliases: Sequence[tuple[str, int]],
-        ignore_persisted: bool,
-    ) -> Deferred[int]:
+    def _remove_facade(self, engine: str) -> Deferred[None]:
         """
-        Start C{engine}'s facade (spec §3): a persisted port wins over
-        C{port} unless C{ignore_persisted} (§8); C{0} is the standalone
-        default.  Fires with the bound port; fails if it cannot listen, and
-        then leaves nothing of it behind.
+        Undo L{_add_facade}: stop C{engine}'s facade and its aliases and
+        forget them; nothing if none runs.
         """
 
-        async def enable() -> int:
-            listener = self.listeners.get(engine)
-            if listener is not None and listener.listening is not None:
-                return _port_of(listener.listening)
-            if listener is not None:
-                await self.disable_facade(engine)
-            configured = evolve(
-                self.config.engines[engine],
-                enabled=True,
-                port=port,
-                aliases=tuple(aliases),
-            )
-            effective = _effective(configured, self.ports, ignore_persisted)
-            self.engine_configs[engine] = effective
-            self._add_facade(effective)
-            listening = await self.listeners[engine].ready
-            if not listening:
-                error = self.listeners[engine].error
-                await self.disable_facade(engine)
-                raise CannotListen(error or "cannot listen")
-            self.polling.set_endpoints(self._endpoints())
-            return self.listeners[engine].bound_port() or effective.port
-
-        return Deferred.fromCoroutine(enable())
-
-    def disable_facade(self, engine: str) -> Deferred[None]:
         async def disable() -> None:
             listener = self.listeners.pop(engine, None)
             self.facades.pop(engine, None)
@@ -602,17 +422,6 @@ class NvProxy(MultiService):
         if self.running:
             self.reactor.stop()
 
-    def apply_priority(self, snapshot: SchedulerSnapshot) -> bool:
-        return self.reservations.apply_snapshot(snapshot)
-
-    def set_log_level(self, level: str) -> None:
-        set_level(level)
-
-    def _reservation_counts(self) -> Mapping[str, int]:
-        snapshot = self.discovery.current
-        nodes = {node for entries in snapshot.engines.values() for node in entries}
-        return {node: self.reservations.reservations(node) for node in sorted(nodes)}
-
     def stopService(self) -> Deferred[Any]:
         self.dispatcher.shutdown()
         d = super().stopService()  # type: ignore[no-untyped-call]
@@ -636,111 +445,6 @@ class NvProxy(MultiService):
         if self.config.admin_enabled:
             listeners.append(self.admin)
         return DeferredList([listener.ready for listener in listeners])
-
-    # -- AdminBackend -----------------------------------------------------
-
-    def status(self) -> Mapping[str, Any]:
-        snapshot = self.discovery.current
-        facades = []
-        for engine_id, listener in self.listeners.items():
-            facades.append(
-                {
-                    "engine": engine_id,
-                    "port": listener.bound_port() or listener.port,
-                    "listening": listener.listening is not None,
-                    "error": listener.error,
-                    "selected": self.pins.get(engine_id),
-                }
-            )
-        nodes: dict[str, dict[str, list[str]]] = {}
-        for engine_id, entries in snapshot.engines.items():
-            for node_id, entry in entries.items():
-                nodes.setdefault(node_id, {})[engine_id] = sorted(entry.models)
-        cluster: dict[str, Any] = {"member": False}
-        if self.cluster is not None:
-            state = self.cluster.current
-            cluster = {
-                "member": state.member,
-                "peers": [peer.id for peer in state.peers],
-                "error": None
-                if self.cluster.error is None
-                else str(self.cluster.error),
-            }
-        return {
-            "node_id": self.node_id,
-            "cluster": cluster,
-            "facades": facades,
-            "nodes": nodes,
-            "inflight": self.dispatcher.inflight(),
-            "generation": snapshot.generation,
-            "reservations": dict(self._reservation_counts()),
-            "vllm": self.vllm.status() if self.vllm is not None else [],
-            "loads": dict(self.reservations.snapshot_of_loads()),
-            "ejected": self.outliers.status(),
-            "process": self._process_status(),
-        }
-
-    def _process_status(self) -> dict[str, int | None]:
-        """
-        What a harness outside the process watches for leaks: open file
-        descriptors, pending DelayedCalls and resident memory (C{None} where
-        the platform or the reactor does not tell).
-        """
-        try:
-            open_fds: int | None = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            open_fds = None
-        delayed = getattr(self.reactor, "getDelayedCalls", None)
-        delayed_calls = len(delayed()) if callable(delayed) else None
-        return {
-            "open_fds": open_fds,
-            "delayed_calls": delayed_calls,
-            "rss_bytes": _rss_bytes(),
-        }
-
-    def set_port(self, engine: str, port: int) -> Deferred[Mapping[str, Any]]:
-        return Deferred.fromCoroutine(self._set_port(engine, port))
-
-    async def _set_port(self, engine: str, port: int) -> Mapping[str, Any]:
-        listener = self.listeners.get(engine)
-        if listener is None:
-            raise AdminError(404, f"engine {engine!r} is not enabled")
-        backend = urlsplit(self.engine_configs[engine].backend)
-        if backend.port == port and _config.is_loopback(backend.hostname or ""):
-            raise AdminError(
-                409, f"port {port} is where this node's {engine} engine is"
-            )
-        try:
-            await listener.move(port)
-        except Exception as e:
-            raise AdminError(409, f"cannot listen on port {port}: {e}") from None
-        self.ports.set(engine, port)
-        return {"engine": engine, "port": port, "persisted": True}
-
-    def select(self, engine: str, node: str | None) -> Mapping[str, Any]:
-        if engine not in self.facades:
-            raise AdminError(404, f"engine {engine!r} is not enabled")
-        pins = dict(self.pins)
-        if node is None:
-            pins.pop(engine, None)
-        else:
-            pins[engine] = node
-        try:
-            # Persisted first: a selection that would not survive a restart
-            # is refused, not half applied.
-            self.selections.save(pins)
-        except OSError as e:
-            raise AdminError(
-                500, f"cannot persist the selection: {e.strerror or e}"
-            ) from None
-        if node is None:
-            self.pins.pop(engine, None)
-        else:
-            self.pins[engine] = node
-        return {"engine": engine, "selected": node}
-
-    def recent_workloads(self, limit: int) -> list[Any]:
-        return self.workloads.recent(limit)
 
 
 def _plain_site(resource: Any, reactor: Any) -> IProtocolFactory:
@@ -793,20 +497,3 @@ def makeService(options: usage.Options) -> NvProxy:
         engines=",".join(service.facades) or "none (waiting for facade/enable)",
     )
     return service
-
-
-def _rss_bytes() -> int | None:
-    """This process's resident set size: C{/proc/self/statm}, else C{resource}."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            pages = int(f.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import resource
-    except ImportError:
-        return None
-    # ru_maxrss is the peak, in KiB on Linux and bytes on macOS: a fallback.
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)

@@ -9,18 +9,30 @@ import io
 import json
 import os
 import sys
+from typing import Any
 from unittest import SkipTest
 
+import treq
 from attrs import evolve
+from prometheus_client import CollectorRegistry
+from treq.testing import StubTreq
 from twisted.internet import reactor
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
+from twisted.internet.testing import MemoryReactorClock
 from twisted.internet.utils import getProcessOutputAndValue
+from twisted.trial.unittest import SynchronousTestCase
 
+from nvproxy.admin import admin_app
+from nvproxy.config import VllmServiceConfig
 from nvproxy.ports import PortStore
+from nvproxy.service import build
 from nvproxy.testing.harness import facade_url, free_port, proxy_config, start_proxy
+from nvproxy.vllm import Depth, ManagerStopped, Refused, VllmRegistry, Waking
 from tests.test_forwarding import ProxyTestCase
+from tests.test_service import operations_over, service_config
 
 
 class AdminTests(ProxyTestCase):
@@ -216,3 +228,134 @@ class AliasTests(ProxyTestCase):
             "GET", facade_url(proxy, "ollama") + "/api/tags"
         )
         self.assertEqual(code, 200)
+
+
+class FakeManager:
+    """
+    The part of L{nvproxy.vllm.VllmManager} the wake and sleep operations
+    use: one service, C{text}, answering with C{wake_result} and
+    C{sleep_result}.
+    """
+
+    def __init__(self) -> None:
+        self.registry = VllmRegistry(
+            [VllmServiceConfig("text", "http://127.0.0.1:1", "m")]
+        )
+        self.wake_result: Deferred[None] = succeed(None)
+        self.sleep_result: Deferred[None] = succeed(None)
+        self.calls: list[tuple[Any, ...]] = []
+
+    def wake(self, name: str) -> Deferred[None]:
+        self.calls.append(("wake", name))
+        return self.wake_result
+
+    def sleep(self, name: str, level: int) -> Deferred[None]:
+        self.calls.append(("sleep", name, level))
+        return self.sleep_result
+
+    def status(self) -> list[dict[str, Any]]:
+        return []
+
+
+class VllmAdminTests(SynchronousTestCase):
+    """
+    C{POST /admin/wake/<service>} and C{/admin/sleep/<service>} (FD §6.5):
+    the admin app over the operations, in memory.
+    """
+
+    def setUp(self) -> None:
+        self.manager = FakeManager()
+        proxy = build(service_config(self), MemoryReactorClock(), hostname="x")
+        ops = operations_over(proxy, self.manager)
+        self.stub = StubTreq(admin_app(ops, CollectorRegistry(), vllm=True).resource())
+
+    def post(self, path: str, stub: StubTreq | None = None) -> tuple[int, Any, Any]:
+        client: Any = stub or self.stub
+        d = client.post("http://admin" + path)
+        client.flush()
+        response = self.successResultOf(d)
+        body = self.successResultOf(treq.json_content(response))
+        retry = response.headers.getRawHeaders(b"retry-after")
+        return response.code, retry, body
+
+    def test_wake(self) -> None:
+        self.assertEqual(
+            self.post("/admin/wake/text"),
+            (200, None, {"service": "text", "state": "awake"}),
+        )
+        self.assertEqual(self.manager.calls, [("wake", "text")])
+
+    def test_wake_fails_depth_aware(self) -> None:
+        error = Waking("text", "m", Depth.OFFLOADED, 40)
+        self.manager.wake_result = fail(error)
+        self.assertEqual(
+            self.post("/admin/wake/text"),
+            (
+                503,
+                [b"%d" % Depth.OFFLOADED.retry_after],
+                {"error": str(error), "sleep_depth": "offloaded"},
+            ),
+        )
+
+    def test_stopping(self) -> None:
+        self.manager.wake_result = fail(ManagerStopped())
+        self.manager.sleep_result = fail(ManagerStopped())
+        for path in ("/admin/wake/text", "/admin/sleep/text"):
+            self.assertEqual(
+                self.post(path), (503, None, {"error": "shutting down"}), path
+            )
+
+    def test_unknown_service(self) -> None:
+        for path in ("/admin/wake/nope", "/admin/sleep/nope?level=2"):
+            self.assertEqual(
+                self.post(path),
+                (404, None, {"error": "unknown vLLM service 'nope'"}),
+                path,
+            )
+        self.assertEqual(self.manager.calls, [])
+
+    def test_sleep(self) -> None:
+        self.assertEqual(
+            self.post("/admin/sleep/text?level=2"),
+            (200, None, {"service": "text", "state": "asleep", "level": 2}),
+        )
+        self.assertEqual(self.post("/admin/sleep/text")[2]["level"], 1)
+        self.assertEqual(
+            self.manager.calls, [("sleep", "text", 2), ("sleep", "text", 1)]
+        )
+
+    def test_sleep_bad_level(self) -> None:
+        for level in ("3", "x", "0"):
+            self.assertEqual(
+                self.post(f"/admin/sleep/text?level={level}"),
+                (400, None, {"error": "level must be 1 or 2"}),
+            )
+        self.assertEqual(self.manager.calls, [])
+
+    def test_sleep_refused_and_failed(self) -> None:
+        self.manager.sleep_result = fail(Refused("1 active request"))
+        self.assertEqual(
+            self.post("/admin/sleep/text"),
+            (409, None, {"error": "refused: 1 active request"}),
+        )
+        self.manager.sleep_result = fail(RuntimeError("HTTP 500"))
+        self.assertEqual(
+            self.post("/admin/sleep/text"),
+            (502, None, {"error": "sleep failed: HTTP 500"}),
+        )
+
+    def test_wake_internal_error(self) -> None:
+        self.manager.wake_result = fail(RuntimeError("bug"))
+        self.assertEqual(
+            self.post("/admin/wake/text"), (500, None, {"error": "internal error"})
+        )
+        self.flushLoggedErrors(RuntimeError)
+
+    def test_no_vllm(self) -> None:
+        """A node with no vLLM service has no wake or sleep route."""
+        proxy = build(service_config(self), MemoryReactorClock(), hostname="x")
+        stub = StubTreq(admin_app(proxy.ops, CollectorRegistry()).resource())
+        for path in ("/admin/wake/text", "/admin/sleep/text?level=3"):
+            self.assertEqual(
+                self.post(path, stub), (404, None, {"error": "not found"}), path
+            )

@@ -17,7 +17,7 @@ from twisted.python.reflect import namedAny
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvproxy import logs
-from nvproxy.config import ConfigError, load_config
+from nvproxy.config import ConfigError, Options, load_config
 from nvproxy.logs import (
     LEVELS,
     configure_twistd,
@@ -26,7 +26,7 @@ from nvproxy.logs import (
     set_level,
     text_observer,
 )
-from nvproxy.service import Options, build
+from nvproxy.service import build
 from nvproxy.testing.harness import proxy_config
 
 

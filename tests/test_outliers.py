@@ -657,13 +657,13 @@ class EjectionIntegrationTests(ProxyTestCase):
         self.assertIn(
             'nvproxy_node_ejections_total{engine="ollama",node="local"} 1.0', text
         )
-        self.assertEqual(list(proxy.status()["ejected"]), ["ollama"])
-        self.assertEqual(list(proxy.status()["ejected"]["ollama"]), ["local"])
+        self.assertEqual(list(proxy.ops.status()["ejected"]), ["ollama"])
+        self.assertEqual(list(proxy.ops.status()["ejected"]["ollama"]), ["local"])
 
         # It comes back and answers a poll: it is used again at once.
         await dead.listen(reactor)
         await proxy.polling.poll()
-        self.assertEqual(proxy.status()["ejected"], {})
+        self.assertEqual(proxy.ops.status()["ejected"], {})
         code, _, _ = await self.post(url, {"model": "m", "stream": False})
         self.assertEqual(code, 200)
         self.assertEqual((len(_inference(dead)), len(_inference(alive))), (1, 5))

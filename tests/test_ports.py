@@ -367,12 +367,12 @@ class PersistedSelectionTests(SynchronousTestCase):
         return build(self.config, MemoryReactorClock(), hostname="local")
 
     def selected(self, proxy: NvProxy) -> dict[str, str | None]:
-        return {f["engine"]: f["selected"] for f in proxy.status()["facades"]}
+        return {f["engine"]: f["selected"] for f in proxy.ops.status()["facades"]}
 
     def test_pin_restored(self) -> None:
         first = self.proxy()
-        first.select("ollama", "gpu-2")
-        first.select("llamacpp", "gpu-3")
+        first.ops.select("ollama", "gpu-2")
+        first.ops.select("llamacpp", "gpu-3")
         second = self.proxy()
         self.assertEqual(second.pins, {"ollama": "gpu-2", "llamacpp": "gpu-3"})
         self.assertEqual(
@@ -381,11 +381,11 @@ class PersistedSelectionTests(SynchronousTestCase):
 
     def test_unselect_persisted(self) -> None:
         first = self.proxy()
-        first.select("ollama", "gpu-2")
-        first.select("llamacpp", "gpu-3")
-        first.select("ollama", None)
+        first.ops.select("ollama", "gpu-2")
+        first.ops.select("llamacpp", "gpu-3")
+        first.ops.select("ollama", None)
         self.assertEqual(self.proxy().pins, {"llamacpp": "gpu-3"})
-        first.select("llamacpp", None)
+        first.ops.select("llamacpp", None)
         self.assertEqual(self.proxy().pins, {})
         self.assertEqual(os.listdir(self.state_dir), [])
 
@@ -394,14 +394,14 @@ class PersistedSelectionTests(SynchronousTestCase):
         A selection that cannot be written is refused and changes nothing.
         """
         proxy = self.proxy()
-        proxy.select("ollama", "gpu-2")
+        proxy.ops.select("ollama", "gpu-2")
 
         def failingReplace(source: str, destination: str) -> None:
             raise OSError(28, "No space left on device")
 
         self.patch(os, "replace", failingReplace)
         with self.assertRaises(AdminError) as raised:
-            proxy.select("ollama", "gpu-9")
+            proxy.ops.select("ollama", "gpu-9")
         self.assertEqual(
             (raised.exception.status, raised.exception.message),
             (500, "cannot persist the selection: No space left on device"),

@@ -27,11 +27,13 @@ loopback on Python 3.11, so the mapping is unwrapped first).
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
+from typing import Any
 
+from twisted.application.service import Service
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.interfaces import (
     IAddress,
     IDelayedCall,
@@ -48,9 +50,13 @@ from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 
+from nvproxy.net import is_loopback
+
 __all__ = [
     "TLS_HANDSHAKE_RECORD",
+    "CannotListen",
     "DemuxFactory",
+    "PortListener",
     "is_loopback",
     "listen_facade",
     "tls_personality",
@@ -60,25 +66,6 @@ log = Logger()
 
 #: The first byte of every TLS connection: a handshake record (the ClientHello).
 TLS_HANDSHAKE_RECORD = 0x16
-
-
-def is_loopback(address: IAddress) -> bool:
-    """
-    Is C{address} a loopback IP address (127.0.0.0/8, ::1, ::ffff:127.x.x.x)?
-
-    Anything that is not an IPv4 or IPv6 address (a UNIX socket, an unparsable host)
-    is not loopback: the plaintext personality is opened only to what is certainly
-    this machine over IP.
-    """
-    if not isinstance(address, IPv4Address | IPv6Address):
-        return False
-    try:
-        ip = ipaddress.ip_address(address.host)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped.is_loopback
-    return ip.is_loopback
 
 
 class _DemuxProtocol(Protocol):
@@ -264,3 +251,115 @@ def listen_facade(
     except Exception:
         return fail()
     return succeed(listening)
+
+
+def _server_endpoint(reactor: Any, interface: str, port: int) -> Any:
+    if ":" in interface:
+        return TCP6ServerEndpoint(reactor, port, interface=interface)
+    return TCP4ServerEndpoint(reactor, port, interface=interface)
+
+
+def _port_of(port: IListeningPort) -> int:
+    address = port.getHost()
+    assert isinstance(address, (IPv4Address, IPv6Address))
+    return address.port
+
+
+class CannotListen(Exception):
+    """A facade could not bind its port (the reason is the message)."""
+
+
+class PortListener(Service):
+    """
+    One listening port whose failure to bind is logged and contained: the
+    other facades keep running (spec §3.2).
+
+    @ivar ready: fires once the first bind was tried: C{True} if it listens.
+    @ivar error: why the last bind failed, else L{None}.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        label: str,
+        interface: str,
+        port: int,
+        factory: IProtocolFactory,
+        optional: bool = False,
+    ) -> None:
+        self._reactor = reactor
+        self._optional = optional
+        self.label = label
+        self.interface = interface
+        self.port = port
+        self._factory = factory
+        self.listening: IListeningPort | None = None
+        self.error: str | None = None
+        self.ready: Deferred[bool] = Deferred()
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self._listen()
+
+    def _listen(self) -> None:
+        endpoint = _server_endpoint(self._reactor, self.interface, self.port)
+        d = endpoint.listen(self._factory)
+        d.addCallbacks(self._listening, self._failed)
+
+    def _listening(self, port: IListeningPort) -> None:
+        self.listening = port
+        self.error = None
+        log.info(
+            "{label} listening on {interface}:{port}",
+            label=self.label,
+            interface=self.interface,
+            port=_port_of(port),
+        )
+        if not self.ready.called:
+            self.ready.callback(True)
+
+    def _failed(self, reason: Failure) -> None:
+        self.error = str(reason.value)
+        emit = log.warn if self._optional else log.error
+        emit(
+            "{label} cannot listen on {interface}:{port}: {error}",
+            label=self.label,
+            interface=self.interface,
+            port=self.port,
+            error=self.error,
+        )
+        if not self.ready.called:
+            self.ready.callback(False)
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        port, self.listening = self.listening, None
+        if port is not None:
+            stopped: Deferred[None] | None = port.stopListening()
+            return stopped
+        return None
+
+    def move(self, port: int) -> Deferred[None]:
+        """
+        Listen on C{port} instead; the old port is released only once the
+        new one is bound, so a failed move leaves the facade where it was.
+        """
+        endpoint = _server_endpoint(self._reactor, self.interface, port)
+
+        async def move() -> None:
+            new = await endpoint.listen(self._factory)
+            old, self.listening = self.listening, new
+            self.port = port
+            self.error = None
+            log.info("{label} moved to port {port}", label=self.label, port=port)
+            if old is not None:
+                stopped = old.stopListening()
+                if stopped is not None:
+                    await stopped
+
+        return Deferred.fromCoroutine(move())
+
+    def bound_port(self) -> int | None:
+        if self.listening is None:
+            return None
+        return _port_of(self.listening)
