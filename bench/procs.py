@@ -20,10 +20,9 @@ from attrs import frozen
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProcessTransport
 from twisted.internet.protocol import ProcessProtocol
-from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
-from nvproxy.testing.harness import free_port
+from nvproxy.testing.harness import NotHealthy, free_port, wait_healthy
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -300,31 +299,43 @@ async def wait_ready(
     names without a tag are listed with C{:latest}), and
     return that status.  Stops the daemon and raises L{BenchError} on timeout.
     """
-    deadline = reactor.seconds() + timeout
-    last: object = None
-    while reactor.seconds() < deadline:
-        if proxy.proc.child.ended.called:
-            raise BenchError(f"{proxy.name} exited; see {proxy.log}")
+    seen: list[dict[str, Any]] = []
+
+    def ready(code: int, body: bytes) -> bool:
+        if code != 200:
+            return False
         try:
-            response = await treq.get(f"{proxy.admin}/admin/status", timeout=2)
-            status: dict[str, Any] = await response.json()
-        except Exception as e:
-            last = e
-        else:
-            nodes_seen: dict[str, dict[str, list[str]]] = status.get("nodes") or {}
-            last = status
-            if all(
-                (nodes_seen.get(node) or {}).get("ollama")
-                and (
-                    not model
-                    or {model, f"{model}:latest"} & set(nodes_seen[node]["ollama"])
-                )
-                for node, model in want.items()
-            ):
-                return status
-        await deferLater(reactor, 0.1)
-    await proxy.proc.stop(reactor)
-    raise BenchError(f"{proxy.name} not ready in {timeout}s (last: {last!r})")
+            status: dict[str, Any] = json.loads(body)
+        except ValueError:
+            return False
+        seen[:] = [status]
+        nodes_seen: dict[str, dict[str, list[str]]] = status.get("nodes") or {}
+        return all(
+            (nodes_seen.get(node) or {}).get("ollama")
+            and (
+                not model
+                or {model, f"{model}:latest"} & set(nodes_seen[node]["ollama"])
+            )
+            for node, model in want.items()
+        )
+
+    try:
+        await wait_healthy(
+            reactor,
+            f"{proxy.admin}/admin/status",
+            within=timeout,
+            alive=lambda: not proxy.proc.child.ended.called,
+            healthy=ready,
+        )
+    except NotHealthy as e:
+        if e.exited:
+            raise BenchError(f"{proxy.name} exited; see {proxy.log}") from None
+        await proxy.proc.stop(reactor)
+        last = seen[0] if seen else e.last
+        raise BenchError(
+            f"{proxy.name} not ready in {timeout}s (last: {last!r})"
+        ) from None
+    return seen[0]
 
 
 async def start_proxy(

@@ -1,7 +1,8 @@
 """
 Integration tests for scheduling and accounting: burst spreading across
 facades, pins, workload events with stats, metrics (spec §5 steps 2-3, §5.5,
-§6).
+§6).  The whole nvproxy and its fake engines run on a L{MemoryNetwork}:
+simulated time, no sockets.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ import json
 import os
 
 from attrs import evolve
-from twisted.internet import reactor
-from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.defer import gatherResults
 
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
-from nvproxy.testing.harness import facade_url, proxy_config, start_proxy
-from tests.test_forwarding import ProxyTestCase
+from nvproxy.testing.harness import facade_url, proxy_config
+from tests.test_forwarding import MemoryProxyTestCase
 
 
 def _inference(engine: FakeEngine) -> list[str]:
@@ -23,8 +23,8 @@ def _inference(engine: FakeEngine) -> list[str]:
     return [r.path for r in engine.requests if r.path not in inventory]
 
 
-class BurstTests(ProxyTestCase):
-    async def test_burst_spreads_across_facades(self) -> None:
+class BurstTests(MemoryProxyTestCase):
+    def test_burst_spreads_across_facades(self) -> None:
         """
         A burst of concurrent requests on two facades spreads evenly over
         three equally loaded nodes: the reservation map is process-wide.
@@ -32,13 +32,13 @@ class BurstTests(ProxyTestCase):
         ollamas = []
         openais = []
         for _ in range(3):
-            o = await self.engine("ollama", ["m:latest"])
+            o = self.engine("ollama", ["m:latest"])
             o.default = Behaviour(latency=0.3, chunks=1)
             ollamas.append(o)
-            a = await self.engine("openai", ["m"])
+            a = self.engine("openai", ["m"])
             a.default = Behaviour(latency=0.3, chunks=1)
             openais.append(a)
-        proxy = await self.proxy(
+        proxy = self.proxy(
             {"ollama": ollamas[0].url, "lmstudio": openais[0].url},
             nodes={
                 "gpu-2": {"ollama": ollamas[1].url, "lmstudio": openais[1].url},
@@ -48,102 +48,97 @@ class BurstTests(ProxyTestCase):
         requests = []
         for _ in range(6):
             requests.append(
-                self.post(
+                self.start_post(
                     facade_url(proxy, "ollama") + "/api/generate",
                     {"model": "m", "stream": False},
                 )
             )
             requests.append(
-                self.post(
+                self.start_post(
                     facade_url(proxy, "lmstudio") + "/v1/completions",
                     {"model": "m", "prompt": "x"},
                 )
             )
-        answers = await gatherResults(
-            [Deferred.fromCoroutine(r) for r in requests], consumeErrors=True
-        )
+        answers = self.drive(gatherResults(requests, consumeErrors=True))
         self.assertEqual({code for code, _, _ in answers}, {200})
         per_node = [
             len(_inference(ollamas[i])) + len(_inference(openais[i])) for i in range(3)
         ]
         self.assertEqual(per_node, [4, 4, 4])
         # Every reservation was released when its request ended.
-        self.assertEqual(set(proxy.status()["reservations"].values()), {0})
+        self.assertEqual(set(proxy.ops.status()["reservations"].values()), {0})
 
 
-class ClaimTests(ProxyTestCase):
-    async def test_discovery_change_keeps_the_claim(self) -> None:
+class ClaimTests(MemoryProxyTestCase):
+    def test_discovery_change_keeps_the_claim(self) -> None:
         """
         An inventory change while an attempt is in flight neither moves the
         reservation off the node doing the work nor takes another (§6).
         """
-        from twisted.internet import reactor
-        from twisted.internet.task import deferLater
-
-        a = await self.engine("ollama", ["m:latest"])
-        b = await self.engine("ollama", ["m:latest"])
+        a = self.engine("ollama", ["m:latest"])
+        b = self.engine("ollama", ["m:latest"])
         a.default = Behaviour(latency=0.5)
-        proxy = await self.proxy({"ollama": a.url}, nodes={"gpu-2": {"ollama": b.url}})
-        request = Deferred.fromCoroutine(
-            self.post(
-                facade_url(proxy, "ollama") + "/api/generate",
-                {"model": "m", "stream": False},
-            )
+        proxy = self.proxy({"ollama": a.url}, nodes={"gpu-2": {"ollama": b.url}})
+        request = self.start_post(
+            facade_url(proxy, "ollama") + "/api/generate",
+            {"model": "m", "stream": False},
         )
-        await deferLater(reactor, 0.1, lambda: None)
-        self.assertEqual(proxy.status()["reservations"], {"gpu-2": 0, "local": 1})
+        self.net.advance(0.1)
+        self.assertNoResult(request)
+        self.assertEqual(proxy.ops.status()["reservations"], {"gpu-2": 0, "local": 1})
         for model in ("x:latest", "y:latest"):
             b.models.append(model)
-            await proxy.polling.poll()
-            self.assertEqual(proxy.status()["reservations"], {"gpu-2": 0, "local": 1})
-        code, _, _ = await request
+            self.drive(proxy.polling.poll())
+            self.assertEqual(
+                proxy.ops.status()["reservations"], {"gpu-2": 0, "local": 1}
+            )
+        self.assertNoResult(request)
+        code, _, _ = self.drive(request)
         self.assertEqual(code, 200)
-        self.assertEqual(proxy.status()["reservations"], {"gpu-2": 0, "local": 0})
+        self.assertEqual(proxy.ops.status()["reservations"], {"gpu-2": 0, "local": 0})
 
 
-class PinTests(ProxyTestCase):
-    async def test_pin_routes_first_and_ineligible_pin_ignored(self) -> None:
-        local = await self.engine("ollama", ["m:latest"])
-        other = await self.engine("ollama", ["m:latest"])
-        third = await self.engine("ollama", ["x:latest"])
-        proxy = await self.proxy(
+class PinTests(MemoryProxyTestCase):
+    def test_pin_routes_first_and_ineligible_pin_ignored(self) -> None:
+        local = self.engine("ollama", ["m:latest"])
+        other = self.engine("ollama", ["m:latest"])
+        third = self.engine("ollama", ["x:latest"])
+        proxy = self.proxy(
             {"ollama": local.url},
             nodes={"gpu-2": {"ollama": other.url}, "gpu-3": {"ollama": third.url}},
         )
         url = facade_url(proxy, "ollama") + "/api/generate"
-        proxy.select("ollama", "gpu-2")
+        proxy.ops.select("ollama", "gpu-2")
         for _ in range(3):
-            code, _, _ = await self.post(url, {"model": "m", "stream": False})
+            code, _, _ = self.post(url, {"model": "m", "stream": False})
             self.assertEqual(code, 200)
         self.assertEqual(len(_inference(other)), 3)
         self.assertEqual(_inference(local), [])
         # gpu-3 does not advertise m: pinning it never sends m there.
-        proxy.select("ollama", "gpu-3")
-        code, _, _ = await self.post(url, {"model": "m", "stream": False})
+        proxy.ops.select("ollama", "gpu-3")
+        code, _, _ = self.post(url, {"model": "m", "stream": False})
         self.assertEqual(code, 200)
         self.assertEqual(_inference(third), [])
 
 
-class WorkloadTests(ProxyTestCase):
-    async def test_events_and_stats(self) -> None:
+class WorkloadTests(MemoryProxyTestCase):
+    def test_events_and_stats(self) -> None:
         """
         A served streaming request leaves submitted/started/completed events
         with seq and stats measured from the stream; a request nobody can
         serve leaves an errored workload without stats.
         """
-        fake = await self.engine("ollama", ["m:latest"])
+        fake = self.engine("ollama", ["m:latest"])
         fake.default = Behaviour(chunks=12)
-        proxy = await self.proxy({"ollama": fake.url}, admin=True)
+        proxy = self.proxy({"ollama": fake.url}, admin=True)
         url = facade_url(proxy, "ollama")
-        code, _, _ = await self.post(url + "/api/chat", {"model": "m", "messages": []})
+        code, _, _ = self.post(url + "/api/chat", {"model": "m", "messages": []})
         self.assertEqual(code, 200)
-        code, _, _ = await self.post(url + "/api/chat", {"model": "absent"})
+        code, _, _ = self.post(url + "/api/chat", {"model": "absent"})
         self.assertEqual(code, 502)
 
         admin = f"http://127.0.0.1:{proxy.admin.bound_port()}"
-        code, _, body = await self.client.request(
-            "GET", admin + "/admin/workloads?limit=10"
-        )
+        code, _, body = self.get(admin + "/admin/workloads?limit=10")
         self.assertEqual(code, 200)
         workloads = json.loads(body)["workloads"]
         self.assertEqual(len(workloads), 2)
@@ -176,20 +171,20 @@ class WorkloadTests(ProxyTestCase):
         self.assertEqual(failed["workloadInfo"]["state"], "failed")
         self.assertNotIn("stats", failed["workloadInfo"])
 
-    async def test_json_lines_log(self) -> None:
+    def test_json_lines_log(self) -> None:
         """
         With C{[workloads] log}, every event is also one JSON-RPC line.
         """
-        fake = await self.engine("openai", ["m"])
+        fake = self.engine("openai", ["m"])
         path = os.path.abspath(self.mktemp())
         config = evolve(
-            proxy_config(self.mktemp(), {"lmstudio": fake.url}), workload_log=path
+            proxy_config(
+                self.mktemp(), {"lmstudio": fake.url}, port=self.net.free_port
+            ),
+            workload_log=path,
         )
-        proxy = await start_proxy(reactor, config)
-        self.addCleanup(proxy.stopService)
-        await self.post(
-            facade_url(proxy, "lmstudio") + "/v1/completions", {"model": "m"}
-        )
+        proxy = self.start(config)
+        self.post(facade_url(proxy, "lmstudio") + "/v1/completions", {"model": "m"})
         with open(path) as f:
             lines = [json.loads(line) for line in f]
         self.assertEqual(
@@ -205,14 +200,12 @@ class WorkloadTests(ProxyTestCase):
         info = lines[-1]["params"]["workloadInfo"]
         self.assertEqual((info["engine"], info["model"]), ("lmstudio", "m"))
 
-    async def test_metrics(self) -> None:
-        fake = await self.engine("openai", ["m"])
-        proxy = await self.proxy({"vllm": fake.url}, admin=True)
-        await self.post(
-            facade_url(proxy, "vllm") + "/v1/chat/completions", {"model": "m"}
-        )
+    def test_metrics(self) -> None:
+        fake = self.engine("openai", ["m"])
+        proxy = self.proxy({"vllm": fake.url}, admin=True)
+        self.post(facade_url(proxy, "vllm") + "/v1/chat/completions", {"model": "m"})
         admin = f"http://127.0.0.1:{proxy.admin.bound_port()}"
-        code, headers, body = await self.client.request("GET", admin + "/metrics")
+        code, headers, body = self.get(admin + "/metrics")
         self.assertEqual(code, 200)
         text = body.decode()
         requests = (

@@ -16,13 +16,18 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.protocol import ProcessProtocol
-from twisted.internet.task import deferLater
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
-from nvproxy.testing.harness import Client, free_port
+from nvproxy.testing.harness import (
+    Client,
+    NotHealthy,
+    eventually,
+    free_port,
+    wait_healthy,
+)
 
 SECRET = "PROMPT-CANARY-7f3a9c"
 """Sent as the prompt in every request; must never appear in the log."""
@@ -97,33 +102,38 @@ class EndToEndTests(TestCase):
         return protocol, process.pid
 
     async def wait_for(self, protocol: _Twistd, url: str) -> None:
-        client = Client(reactor, persistent=False)
-        try:
-            for _ in range(200):
-                if protocol.ended.called:
-                    self.fail(f"twistd exited:\n{protocol.output.decode()}")
-                try:
-                    code, _, body = await client.request("GET", url)
-                    if code == 200 and json.loads(body)["nodes"]:
-                        return
-                except Exception:
-                    pass
-                await deferLater(reactor, 0.1, lambda: None)
-            self.fail(f"nvproxy did not come up:\n{protocol.output.decode()}")
-        finally:
-            await client.close()
+        """Wait until the admin status at C{url} lists a node."""
 
-    async def test_sdk_clients(self) -> None:
+        def up(code: int, body: bytes) -> bool:
+            return code == 200 and bool(json.loads(body)["nodes"])
+
+        try:
+            await wait_healthy(
+                reactor,
+                url,
+                within=20.0,
+                alive=lambda: not protocol.ended.called,
+                healthy=up,
+            )
+        except NotHealthy as e:
+            why = "twistd exited" if e.exited else "nvproxy did not come up"
+            self.fail(f"{why}:\n{protocol.output.decode()}")
+
+    async def two_facades(
+        self, behaviour: Behaviour, *extra: str
+    ) -> tuple[_Twistd, int, FakeEngine, dict[str, int]]:
         """
-        The openai and ollama SDKs work unchanged through nvproxy, streaming
-        and not, and the prompt never reaches the log.
+        twistd with an Ollama facade in front of a fake Ollama and a vLLM
+        facade in front of a fake OpenAI engine, both behaving as
+        C{behaviour}; returns once it is up, with the fake Ollama and the
+        ports (C{ollama}, C{vllm}, C{admin}).
         """
         ollama = FakeEngine("ollama", ["llama3:latest"], reactor)
-        ollama.default = Behaviour(chunks=8)
+        ollama.default = behaviour
         await ollama.listen(reactor)
         self.addCleanup(ollama.stop)
         openai = FakeEngine("openai", ["qwen"], reactor)
-        openai.default = Behaviour(chunks=8)
+        openai.default = behaviour
         await openai.listen(reactor)
         self.addCleanup(openai.stop)
         ports = {"ollama": free_port(), "vllm": free_port(), "admin": free_port()}
@@ -144,10 +154,18 @@ class EndToEndTests(TestCase):
             [engines.llamacpp]
             enabled = false
         """
-        protocol, pid = await self.start(
-            textwrap.dedent(config), "--log-format", "json"
-        )
+        protocol, pid = await self.start(textwrap.dedent(config), *extra)
         await self.wait_for(protocol, f"http://127.0.0.1:{ports['admin']}/admin/status")
+        return protocol, pid, ollama, ports
+
+    async def test_sdk_clients(self) -> None:
+        """
+        The openai and ollama SDKs work unchanged through nvproxy, streaming
+        and not, and the prompt never reaches the log.
+        """
+        protocol, pid, ollama, ports = await self.two_facades(
+            Behaviour(chunks=8), "--log-format", "json"
+        )
 
         out, err, code = await run_client(
             f"""
@@ -226,35 +244,10 @@ class EndToEndTests(TestCase):
         clear error (the dialect's error frame) instead of silently ending,
         and the workload says truncated while its state stays completed.
         """
-        ollama = FakeEngine("ollama", ["llama3:latest"], reactor)
-        ollama.default = Behaviour(chunks=8, die_after_chunks=3)
-        await ollama.listen(reactor)
-        self.addCleanup(ollama.stop)
-        openai = FakeEngine("openai", ["qwen"], reactor)
-        openai.default = Behaviour(chunks=8, die_after_chunks=3)
-        await openai.listen(reactor)
-        self.addCleanup(openai.stop)
-        ports = {"ollama": free_port(), "vllm": free_port(), "admin": free_port()}
-        config = f"""
-            node_id = "e2e"
-            [admin]
-            listen = "127.0.0.1:{ports["admin"]}"
-            [discovery]
-            poll_interval = "100ms"
-            [engines.ollama]
-            port = {ports["ollama"]}
-            backend = "{ollama.url}"
-            [engines.vllm]
-            port = {ports["vllm"]}
-            backend = "{openai.url}"
-            [engines.lmstudio]
-            enabled = false
-            [engines.llamacpp]
-            enabled = false
-        """
-        protocol, pid = await self.start(textwrap.dedent(config))
+        protocol, _, _, ports = await self.two_facades(
+            Behaviour(chunks=8, die_after_chunks=3)
+        )
         admin = f"http://127.0.0.1:{ports['admin']}"
-        await self.wait_for(protocol, admin + "/admin/status")
         out, err, code = await run_client(
             f"""
             import json, ollama, openai
@@ -310,6 +303,26 @@ class EndToEndTests(TestCase):
             ['nvproxy: dispatch.max_attempts: must be an integer >= 1, got "five"'],
         )
 
+    async def test_bad_config_every_line(self) -> None:
+        """
+        Several problems: one line each, and exit status 2.
+        """
+        protocol, _ = await self.start(
+            '[dispatch]\nmax_attempts = "five"\n[limits]\nmax_size = 1\n',
+            "--deadline",
+            "0",
+        )
+        code = await protocol.ended
+        self.assertEqual(code, 2)
+        self.assertEqual(
+            protocol.output.decode().strip().splitlines(),
+            [
+                "nvproxy: limits.max_size: unknown key",
+                'nvproxy: dispatch.max_attempts: must be an integer >= 1, got "five"',
+                'nvproxy: --deadline: must be greater than 0, got "0"',
+            ],
+        )
+
     async def test_unknown_flag_one_line(self) -> None:
         protocol = _Twistd()
         reactor.spawnProcess(
@@ -353,10 +366,13 @@ class EndToEndTests(TestCase):
             b'{"jsonrpc":"2.0","id":1,"method":"facade/enable",'
             b'"params":{"engine":"lmstudio","port":%d}}\n' % port
         )
-        for _ in range(100):
-            if b'"id":1' in protocol.output:
-                break
-            await deferLater(reactor, 0.05, lambda: None)
+        await eventually(
+            reactor,
+            lambda: b'"id":1' in protocol.output,
+            attempts=100,
+            interval=0.05,
+            what="the answer to facade/enable",
+        )
         self.assertIn(
             b'"method":"lmstudio:ready","params":{"port":%d}' % port, protocol.output
         )
@@ -369,10 +385,13 @@ class EndToEndTests(TestCase):
             data=b'{"model": "m", "prompt": "x"}',
         )
         self.assertEqual(code, 200)
-        for _ in range(100):
-            if b"workload:completed" in protocol.output:
-                break
-            await deferLater(reactor, 0.05, lambda: None)
+        await eventually(
+            reactor,
+            lambda: b"workload:completed" in protocol.output,
+            attempts=100,
+            interval=0.05,
+            what="the workload:completed event",
+        )
         self.assertIn(b'"method":"workload:completed"', protocol.output)
         protocol.transport.closeStdin()  # type: ignore[attr-defined]
         self.assertIn(await protocol.ended, (0, -signal.SIGTERM))

@@ -22,7 +22,7 @@ from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.error import ConnectionRefusedError, ProcessDone
 from twisted.internet.protocol import ProcessProtocol, Protocol, connectionDone
-from twisted.internet.task import Clock, deferLater
+from twisted.internet.task import Clock
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
@@ -37,6 +37,7 @@ from twisted.web.iweb import IResponse
 
 import nvproxy
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
+from nvproxy.testing.harness import eventually
 
 reactor: Any = _reactor
 ROOT = Path(nvproxy.__file__).resolve().parent.parent
@@ -739,6 +740,14 @@ class LoopbackTests(TestCase):
     async def _listen(self) -> None:
         await self.engine.listen(reactor, port=0)
 
+    async def _held(self, count: int) -> None:
+        await eventually(
+            reactor,
+            lambda: self.engine.pending >= count,
+            attempts=500,  # bounded: at most 5 s
+            what=f"{count} requests held",
+        )
+
     def test_stream_over_tcp(self) -> Deferred[None]:
         async def go() -> None:
             await self._listen()
@@ -774,13 +783,13 @@ class LoopbackTests(TestCase):
                 Behaviour(stall_before_headers=True),
                 Behaviour(headers_then_silence=True),
             )
+            # The script is consumed in arrival order: the second request
+            # is sent only once the first is held, or the two could swap.
             stalled = ensureDeferred(self.post({"model": "m"}))
+            await self._held(1)
             silent = await self.post({"model": "m", "stream": True})
             body = _collect(silent).done
-            for _ in range(200):  # both held: bounded, not a fixed sleep
-                if self.engine.pending == 2:
-                    break
-                await deferLater(reactor, 0.01, lambda: None)
+            await self._held(2)
             self.assertNoResult(stalled)
             self.assertNoResult(body)
             self.assertEqual(self.engine.pending, 2)

@@ -6,26 +6,30 @@ engines with scripted behaviour.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
-from twisted.internet.task import deferLater
-from twisted.trial.unittest import TestCase
-from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
-from twisted.web.http_headers import Headers
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import ResponseDone
 from twisted.web.iweb import IResponse
 
+from nvproxy.config import Config
 from nvproxy.service import NvProxy
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
 from nvproxy.testing.harness import (
     Client,
+    MemoryNetwork,
+    eventually,
     facade_url,
     free_port,
     proxy_config,
     start_proxy,
 )
+
+_T = TypeVar("_T")
 
 
 class ProxyTestCase(TestCase):
@@ -60,6 +64,80 @@ class ProxyTestCase(TestCase):
             data=json.dumps(body).encode(),
             headers=headers or {"Content-Type": ["application/json"]},
         )
+
+
+class MemoryProxyTestCase(SynchronousTestCase):
+    """
+    L{ProxyTestCase} on a L{MemoryNetwork}: the same nvproxy and fake
+    engines, on simulated time and in-memory TCP.  Nothing happens until the
+    test moves the clock (C{self.net.advance}) or runs a request to its end
+    (L{drive}, L{post}); each test ends with every connection closed and no
+    call left on the clock.
+    """
+
+    def setUp(self) -> None:
+        self.net = MemoryNetwork()
+        self.client = Client(self.net)
+        self.addCleanup(self._clean)
+        self._stops: list[Callable[[], Deferred[Any] | None]] = []
+
+    def _clean(self) -> None:
+        self.drive(self.client.close())
+        for stop in reversed(self._stops):
+            d = stop()
+            if d is not None:
+                self.drive(d)
+        self.net.settle()
+        self.assertEqual(self.net.open_connections, 0, "a connection left open")
+        self.assertEqual(self.net.getDelayedCalls(), [], "a call left pending")
+
+    def drive(self, d: Deferred[_T] | Coroutine[Any, Any, _T]) -> _T:
+        """Move the clock until C{d} has its result; return it."""
+        if not isinstance(d, Deferred):
+            d = Deferred.fromCoroutine(d)
+        return self.net.run(d)
+
+    def engine(self, dialect: str, models: list[str]) -> FakeEngine:
+        fake = FakeEngine(dialect, models, self.net)  # type: ignore[arg-type]
+        self.drive(fake.listen(self.net))
+        self._stops.append(fake.stop)
+        return fake
+
+    def proxy(self, backends: dict[str, str], **kwargs: Any) -> NvProxy:
+        config = proxy_config(
+            self.mktemp(), backends, port=self.net.free_port, **kwargs
+        )
+        return self.start(config)
+
+    def start(self, config: Config) -> NvProxy:
+        proxy = self.drive(start_proxy(self.net, config))
+        self._stops.append(proxy.stopService)
+        return proxy
+
+    def request(
+        self, method: str, url: str, **kwargs: Any
+    ) -> Deferred[tuple[int, Any, bytes]]:
+        """Start a request; its Deferred fires as the clock moves."""
+        return Deferred.fromCoroutine(self.client.request(method, url, **kwargs))
+
+    def start_post(
+        self, url: str, body: object, headers: dict[str, list[str]] | None = None
+    ) -> Deferred[tuple[int, Any, bytes]]:
+        return self.request(
+            "POST",
+            url,
+            data=json.dumps(body).encode(),
+            headers=headers or {"Content-Type": ["application/json"]},
+        )
+
+    def post(
+        self, url: str, body: object, headers: dict[str, list[str]] | None = None
+    ) -> tuple[int, Any, bytes]:
+        """POST C{body} as JSON and run the clock until the answer is read."""
+        return self.drive(self.start_post(url, body, headers))
+
+    def get(self, url: str) -> tuple[int, Any, bytes]:
+        return self.drive(self.request("GET", url))
 
 
 class _Collect(Protocol):
@@ -121,33 +199,6 @@ class ForwardingTests(ProxyTestCase):
         self.assertEqual(headers.getRawHeaders(b"content-type"), [b"text/event-stream"])
         events = [e for e in body.split(b"\n\n") if e]
         self.assertEqual(events[-1], b"data: [DONE]")
-
-    async def test_chunks_arrive_before_the_end(self) -> None:
-        """
-        Streaming is not buffered: the first chunk reaches the client while
-        the engine is still generating.
-        """
-        fake = await self.engine("ollama", ["m:latest"])
-        fake.default = Behaviour(chunks=5, chunk_interval=0.3)
-        proxy = await self.proxy({"ollama": fake.url})
-        pool = HTTPConnectionPool(reactor, persistent=False)
-        agent = Agent(reactor, pool=pool)
-        from nvproxy.proxy.upstream import BytesProducer
-
-        response: IResponse = await agent.request(
-            b"POST",
-            (facade_url(proxy, "ollama") + "/api/chat").encode(),
-            Headers({b"content-type": [b"application/json"]}),
-            BytesProducer(b'{"model":"m","messages":[]}'),
-        )
-        chunks: list[bytes] = []
-        done: Deferred[None] = Deferred()
-        response.deliverBody(_Collect(chunks, done))
-        await deferLater(reactor, 0.4, lambda: None)
-        self.assertTrue(chunks, "no chunk relayed while the stream is running")
-        self.assertFalse(done.called)
-        await done
-        self.assertTrue(json.loads(b"".join(chunks).splitlines()[-1])["done"])
 
     async def test_headers(self) -> None:
         """
@@ -486,15 +537,16 @@ class BackpressureTests(ProxyTestCase):
 
         assert client.transport is not None
         client_port = client.transport.getHost().port  # type: ignore[attr-defined]
-        held_back = False
-        for _ in range(100):
-            await deferLater(reactor, 0.05, lambda: None)
-            # The engine cannot hand its body over (nvproxy stopped reading),
-            # while nvproxy itself holds little for the stalled client.
-            if pending(host_port=fake.port) > size // 2:
-                held_back = True
-                break
-        self.assertTrue(held_back, "nvproxy kept reading while the client stalled")
+        # Real sockets: the kernel's buffers decide when this holds.  The
+        # engine cannot hand its body over (nvproxy stopped reading), while
+        # nvproxy itself holds little for the stalled client.
+        await eventually(
+            reactor,
+            lambda: pending(host_port=fake.port) > size // 2,
+            attempts=100,
+            interval=0.05,
+            what="nvproxy holding back the engine while the client stalls",
+        )
         self.assertLess(pending(peer_port=client_port), 4 * 1024 * 1024)
         self.assertLess(client.received, size)
         assert client.transport is not None
@@ -503,37 +555,63 @@ class BackpressureTests(ProxyTestCase):
         self.assertGreater(client.received, size)
 
 
-class DisconnectTests(ProxyTestCase):
-    async def test_client_disconnect_cancels_upstream(self) -> None:
+class StreamTimingTests(MemoryProxyTestCase):
+    def test_chunks_arrive_before_the_end(self) -> None:
+        """
+        Streaming is not buffered: the first chunk reaches the client while
+        the engine is still generating.
+        """
+        fake = self.engine("ollama", ["m:latest"])
+        fake.default = Behaviour(chunks=5, chunk_interval=0.3)
+        proxy = self.proxy({"ollama": fake.url})
+        response: IResponse = self.drive(
+            self.client.http.post(
+                facade_url(proxy, "ollama") + "/api/chat",
+                data=b'{"model":"m","messages":[]}',
+                headers={"content-type": ["application/json"]},
+                unbuffered=True,
+            )
+        )
+        chunks: list[bytes] = []
+        done: Deferred[None] = Deferred()
+        response.deliverBody(_Collect(chunks, done))
+        self.net.advance(0.4)
+        self.assertTrue(chunks, "no chunk relayed while the stream is running")
+        self.assertNoResult(done)
+        self.net.advance(0.3)
+        self.assertGreater(len(b"".join(chunks).splitlines()), 1, "one more chunk")
+        self.assertNoResult(done)
+        self.drive(done)
+        self.assertTrue(json.loads(b"".join(chunks).splitlines()[-1])["done"])
+
+
+class DisconnectTests(MemoryProxyTestCase):
+    def test_client_disconnect_cancels_upstream(self) -> None:
         """
         A client that goes away mid-stream ends the upstream request at
         once, and the workload is cancelled, not failed (§5.3, §5.4).
         """
         from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 
-        fake = await self.engine("ollama", ["m:latest"])
+        fake = self.engine("ollama", ["m:latest"])
         fake.default = Behaviour(chunks=100, chunk_interval=0.05)
-        proxy = await self.proxy({"ollama": fake.url})
+        proxy = self.proxy({"ollama": fake.url})
         port = proxy.listeners["ollama"].bound_port()
         body = b'{"model": "m", "messages": []}'
         client = _SlowClient(
             b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
-        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), client)
+        endpoint = TCP4ClientEndpoint(self.net, "127.0.0.1", port)
+        self.drive(connectProtocol(endpoint, client))
         assert client.transport is not None
         client.transport.resumeProducing()  # type: ignore[attr-defined]
-        for _ in range(100):
-            if client.received:
-                break
-            await deferLater(reactor, 0.02, lambda: None)
+        self.net.advance(0.1)
+        self.assertGreater(client.received, 0)
         self.assertEqual(fake.pending, 1)
         client.transport.abortConnection()  # type: ignore[attr-defined]
-        await client.closed
-        for _ in range(100):
-            if fake.pending == 0:
-                break
-            await deferLater(reactor, 0.02, lambda: None)
+        self.drive(client.closed)
+        self.net.settle()
         self.assertEqual(fake.pending, 0)
         workload = proxy.workloads.recent(1)[0]["workloadInfo"]
         self.assertEqual(workload["state"], "cancelled")
@@ -616,3 +694,125 @@ class DialTests(TestCase):
         d.cancel()
         with self.assertRaises(ConnectingCancelledError):
             await d
+
+
+class _Recorder(Protocol):
+    def __init__(self) -> None:
+        self.data = b""
+        self.lost: list[Any] = []
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self.lost.append(reason)
+
+
+class MemoryNetworkTests(SynchronousTestCase):
+    """L{MemoryNetwork}: the in-memory TCP the memory tests run on."""
+
+    def pair(self) -> tuple[MemoryNetwork, _Recorder, _Recorder]:
+        from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+        from twisted.internet.protocol import Factory
+
+        net = MemoryNetwork()
+        server = _Recorder()
+        net.listenTCP(8080, Factory.forProtocol(lambda: server), interface="127.0.0.1")
+        client = _Recorder()
+        d = connectProtocol(TCP4ClientEndpoint(net, "127.0.0.1", 8080), client)
+        self.assertNoResult(d)  # connecting takes a turn of the clock
+        net.settle()
+        self.successResultOf(d)
+        return net, server, client
+
+    def test_bytes_arrive_on_the_next_turn(self) -> None:
+        net, server, client = self.pair()
+        assert client.transport is not None and server.transport is not None
+        self.assertEqual(server.transport.getPeer().host, "127.0.0.1")
+        self.assertEqual(client.transport.getPeer().port, 8080)
+        client.transport.write(b"hello")
+        self.assertEqual(server.data, b"")
+        net.settle()
+        self.assertEqual(server.data, b"hello")
+
+    def test_lose_connection_delivers_then_closes_both(self) -> None:
+        from twisted.internet.error import ConnectionDone
+
+        net, server, client = self.pair()
+        assert client.transport is not None
+        client.transport.write(b"last")
+        client.transport.loseConnection()
+        net.settle()
+        self.assertEqual(server.data, b"last")
+        self.assertTrue(server.lost[0].check(ConnectionDone))
+        self.assertTrue(client.lost[0].check(ConnectionDone))
+        self.assertEqual(net.open_connections, 0)
+
+    def test_abort(self) -> None:
+        from twisted.internet.error import ConnectionAborted, ConnectionLost
+
+        net, server, client = self.pair()
+        assert client.transport is not None
+        client.transport.write(b"lost")
+        client.transport.abortConnection()  # type: ignore[attr-defined]
+        net.settle()
+        self.assertEqual(server.data, b"")
+        self.assertTrue(client.lost[0].check(ConnectionAborted))
+        self.assertTrue(server.lost[0].check(ConnectionLost))
+
+    def test_paused_reader_throttles_a_push_producer(self) -> None:
+        from twisted.internet.interfaces import IPushProducer
+        from zope.interface import implementer
+
+        @implementer(IPushProducer)
+        class Producer:
+            paused = False
+
+            def pauseProducing(self) -> None:
+                self.paused = True
+
+            def resumeProducing(self) -> None:
+                self.paused = False
+
+            def stopProducing(self) -> None:
+                pass
+
+        net, server, client = self.pair()
+        assert client.transport is not None and server.transport is not None
+        producer = Producer()
+        client.transport.registerProducer(producer, True)  # type: ignore[attr-defined]
+        server.transport.pauseProducing()  # type: ignore[attr-defined]
+        client.transport.write(b"x" * (128 * 1024))
+        net.settle()
+        self.assertEqual(server.data, b"")
+        self.assertTrue(producer.paused)
+        server.transport.resumeProducing()  # type: ignore[attr-defined]
+        net.settle()
+        self.assertEqual(len(server.data), 128 * 1024)
+        self.assertFalse(producer.paused)
+
+    def test_refused_and_in_use(self) -> None:
+        from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+        from twisted.internet.error import CannotListenError, ConnectionRefusedError
+        from twisted.internet.protocol import Factory
+
+        net = MemoryNetwork()
+        d = connectProtocol(TCP4ClientEndpoint(net, "127.0.0.1", 9), _Recorder())
+        net.settle()
+        self.failureResultOf(d, ConnectionRefusedError)
+        factory = Factory.forProtocol(Protocol)
+        port = net.listenTCP(0, factory)
+        number = port.getHost().port  # type: ignore[attr-defined]
+        with self.assertRaises(CannotListenError):
+            net.listenTCP(number, factory)
+        port.stopListening()
+        net.listenTCP(number, factory)
+
+    def test_run_moves_time_and_gives_up(self) -> None:
+        from twisted.internet.task import deferLater
+
+        net = MemoryNetwork()
+        self.assertEqual(net.run(deferLater(net, 5, lambda: "done")), "done")
+        self.assertEqual(net.seconds(), 5)
+        with self.assertRaises(AssertionError):
+            net.run(Deferred(), limit=10)

@@ -30,10 +30,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.interfaces import IProcessTransport
 from twisted.internet.protocol import ProcessProtocol
-from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
-from nvproxy.testing.harness import Client, free_port
+from nvproxy.testing.harness import NotHealthy, free_port, wait_healthy
 
 LLAMA_CPP_PYTHON_VERSION = os.environ.get("NVPROXY_LLAMA_CPP_PYTHON_VERSION", "0.3.36")
 """The C{llama-cpp-python} sdist whose vendored llama.cpp is built."""
@@ -370,32 +369,25 @@ async def start_llama_server(
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     transport = reactor.spawnProcess(process, binary, argv, env=env)
     server = LlamaServer(reactor, process, transport, f"http://127.0.0.1:{port}")
-    client = Client(reactor, persistent=False)
-    deadline = reactor.seconds() + ready_timeout
     try:
-        while True:
-            if process.exited:
-                raise LlamaServerFailed(f"llama-server exited:\n{server.output}")
-            if reactor.seconds() > deadline:
-                raise LlamaServerFailed(
-                    f"llama-server not healthy after {ready_timeout} s:\n"
-                    f"{server.output}"
-                )
-            try:
-                d = client.http.get(server.url + "/health")
-                d.addTimeout(2.0, reactor)
-                response = await d
-                await response.content()
-                if response.code == 200:
-                    return server
-            except Exception:
-                pass  # not listening yet, or still loading the model
-            await deferLater(reactor, 0.05, lambda: None)
+        await wait_healthy(
+            reactor,
+            server.url + "/health",
+            within=ready_timeout,
+            interval=0.05,
+            alive=lambda: not process.exited,
+        )
+    except NotHealthy as e:
+        await server.stop()
+        if e.exited:
+            raise LlamaServerFailed(f"llama-server exited:\n{server.output}") from None
+        raise LlamaServerFailed(
+            f"llama-server not healthy after {ready_timeout} s:\n{server.output}"
+        ) from None
     except BaseException:
         await server.stop()
         raise
-    finally:
-        await client.close()
+    return server
 
 
 def main(argv: list[str]) -> int:
