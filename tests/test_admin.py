@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import sys
 from typing import Any
 from unittest import SkipTest
 
@@ -22,14 +21,19 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.internet.testing import MemoryReactorClock
-from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvproxy.admin import admin_app
 from nvproxy.config import VllmServiceConfig
 from nvproxy.ports import PortStore
 from nvproxy.service import build
-from nvproxy.testing.harness import facade_url, free_port, proxy_config, start_proxy
+from nvproxy.testing.harness import (
+    facade_url,
+    free_port,
+    nvproxyctl,
+    proxy_config,
+    start_proxy,
+)
 from nvproxy.vllm import Depth, ManagerStopped, Refused, VllmRegistry, Waking
 from tests.test_forwarding import ProxyTestCase
 from tests.test_service import operations_over, service_config
@@ -100,13 +104,8 @@ class AdminTests(ProxyTestCase):
         proxy = await self.proxy({"ollama": fake.url}, admin=True)
         address = f"127.0.0.1:{proxy.admin.bound_port()}"
 
-        async def ctl(*argv: str) -> tuple[int, str]:
-            out, err, code = await getProcessOutputAndValue(
-                sys.executable,
-                ["-m", "nvproxy.ctl", "--admin", address, *argv],
-                env=dict(os.environ),
-            )
-            return code, (out + err).decode()
+        def ctl(*argv: str) -> Any:
+            return nvproxyctl(address, *argv)
 
         code, out = await ctl("status")
         self.assertEqual(code, 0, out)

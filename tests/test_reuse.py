@@ -18,7 +18,6 @@ from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import Factory, Protocol
-from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.http_headers import Headers
 
@@ -31,6 +30,7 @@ from nvproxy.proxy.attempt import (
 )
 from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.upstream import Upstream
+from nvproxy.testing.harness import eventually
 from tests.test_attempt import FakeClientRequest
 
 Answer = Callable[["_RawHTTP", int], None]
@@ -161,6 +161,9 @@ class ReuseTests(TestCase):
         attempt = target.start(final)
         return attempt, client
 
+    def pooled(self) -> bool:
+        return any(self.upstream.pool._connections.values())
+
     async def committed(self, attempt: HttpAttempt) -> StreamEnd:
         result = await attempt.result
         assert isinstance(result, Committed), result
@@ -198,7 +201,9 @@ class ReuseTests(TestCase):
         self.assertEqual(
             failed, AttemptFailed("n", FailureKind.STATUS, 500), "the 500 is retryable"
         )
-        await deferLater(reactor, 0.05, lambda: None)
+        await eventually(
+            reactor, lambda: second and second[0], what="the second attempt"
+        )
         self.assertEqual(len(second), 1, "the connection went back to the pool")
         attempt, client = second[0]
         self.assertEqual(await self.committed(attempt), StreamEnd.COMPLETE)
@@ -213,7 +218,7 @@ class ReuseTests(TestCase):
         engine = await raw_engine(self, [whole(503, b'{"error": "later"}')])
         first, _ = self.attempt(engine, b"first")
         self.assertIsInstance(await first.result, AttemptFailed)
-        await deferLater(reactor, 0.05, lambda: None)
+        await eventually(reactor, self.pooled, what="a pooled connection")
         retry, _ = self.attempt(engine, b"retry")
         self.assertEqual(await self.committed(retry), StreamEnd.COMPLETE)
         self.assertEqual(engine.receipts, [(1, b"first"), (1, b"retry")])
@@ -226,7 +231,8 @@ class ReuseTests(TestCase):
         engine = await raw_engine(self, [whole(500, b"x" * (256 * 1024))])
         first, _ = self.attempt(engine, b"first")
         self.assertIsInstance(await first.result, AttemptFailed)
-        await deferLater(reactor, 0.05, lambda: None)
+        await eventually(reactor, lambda: not engine.protocols, what="the close")
+        self.assertFalse(self.pooled())
         retry, client = self.attempt(engine, b"retry")
         self.assertEqual(await self.committed(retry), StreamEnd.COMPLETE)
         self.assertEqual(engine.receipts, [(1, b"first"), (2, b"retry")])
@@ -240,10 +246,10 @@ class ReuseTests(TestCase):
         the same attempt, which commits (no dispatch spent).
         """
         engine = await raw_engine(self, [whole(200, b'{"ok": 0}'), hang_up])
-        self.upstream.pool.stale_idle = 0.05
+        self.upstream.pool.stale_idle = 0.0  # any idle time counts here
         first, _ = self.attempt(engine, b"first")
         self.assertEqual(await self.committed(first), StreamEnd.COMPLETE)
-        await deferLater(reactor, 0.1, lambda: None)
+        await eventually(reactor, self.pooled, what="a pooled connection")
         second, client = self.attempt(engine, b"second")
         self.assertEqual(await self.committed(second), StreamEnd.COMPLETE)
         self.assertEqual(

@@ -16,7 +16,7 @@ from twisted.internet.task import deferLater
 from nvproxy.config import VllmHold, VllmServiceConfig
 from nvproxy.service import NvProxy
 from nvproxy.testing.fakevllm import FakeVLLM
-from nvproxy.testing.harness import facade_url, proxy_config, start_proxy
+from nvproxy.testing.harness import facade_url, nvproxyctl, proxy_config, start_proxy
 from tests.test_forwarding import ProxyTestCase
 
 HIDDEN = [
@@ -344,21 +344,12 @@ class VllmFacadeTests(ProxyTestCase):
         self.assertEqual(text.violations, [])
 
     async def test_nvproxyctl_wake_sleep_status(self) -> None:
-        import os
-        import sys
-
-        from twisted.internet.utils import getProcessOutputAndValue
 
         proxy, text, _, _ = await self.start()
         address = f"127.0.0.1:{proxy.admin.bound_port()}"
 
-        async def ctl(*argv: str) -> tuple[int, str]:
-            out, err, code = await getProcessOutputAndValue(
-                sys.executable,
-                ["-m", "nvproxy.ctl", "--admin", address, *argv],
-                env=dict(os.environ),
-            )
-            return code, (out + err).decode()
+        def ctl(*argv: str) -> Any:
+            return nvproxyctl(address, *argv)
 
         code, out = await ctl("sleep", "text", "--level", "1")
         self.assertEqual(code, 0, out)
