@@ -51,7 +51,7 @@ from nvproxy.outliers import EjectionPolicy, OutlierTable
 from nvproxy.ports import PortStore, SelectionStore
 from nvproxy.proxy.attempt import AttemptSettings
 from nvproxy.proxy.backends import Backend, HttpBackend, VllmBackend
-from nvproxy.proxy.facade import Facade, PeerFacade, personalities
+from nvproxy.proxy.facade import Facade, FacadeParts, PeerFacade, personalities
 from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
 from nvproxy.proxy.site import FacadeSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
@@ -338,23 +338,13 @@ class NvProxy(MultiService):
             response_timeout=dispatch.response_header_timeout,
             stream_idle_timeout=dispatch.stream_idle_timeout,
         )
+        parts = FacadeParts(backend, self.dispatcher, self.accounting, settings)
         facade = Facade(
-            backend=backend,
-            discovery=self.discovery,
-            dispatcher=self.dispatcher,
-            accounting=self.accounting,
-            settings=settings,
-            inventory=self.inventory_client,
+            parts, discovery=self.discovery, inventory=self.inventory_client
         )
         peer = None
         if self.server_tls is not None:
-            peer = PeerFacade(
-                backend=backend,
-                dispatcher=self.dispatcher,
-                accounting=self.accounting,
-                settings=settings,
-                peer_of=self._peer_of,
-            )
+            peer = PeerFacade(parts, peer_of=self._peer_of)
         limits = self.config.limits
         site = FacadeSite(
             personalities(facade, peer),

@@ -25,7 +25,7 @@ from nvproxy.engines import ENGINES
 from nvproxy.metrics import Metrics
 from nvproxy.proxy.attempt import AttemptSettings
 from nvproxy.proxy.backends import HttpBackend
-from nvproxy.proxy.facade import Facade, PeerFacade, personalities
+from nvproxy.proxy.facade import Facade, FacadeParts, PeerFacade, personalities
 from nvproxy.proxy.upstream import TreqInventoryClient
 from nvproxy.scheduler import ReservationMap
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
@@ -90,20 +90,16 @@ class FacadeCase(SynchronousTestCase):
         self.backend = HttpBackend(
             self.engine, self.discovery, "n1", [self.endpoint("n1")]
         )
+        parts = FacadeParts(
+            self.backend, self.dispatcher, self.accounting, self.settings
+        )
         facade = Facade(
-            backend=self.backend,
+            parts,
             discovery=self.discovery,
-            dispatcher=self.dispatcher,
-            accounting=self.accounting,
-            settings=self.settings,
             inventory=TreqInventoryClient(HTTPClient(self.upstream), self.clock),
         )
         peer = PeerFacade(
-            backend=self.backend,
-            dispatcher=self.dispatcher,
-            accounting=self.accounting,
-            settings=self.settings,
-            peer_of=lambda request: "peer-1" if self.pinned else None,
+            parts, peer_of=lambda request: "peer-1" if self.pinned else None
         )
         self.pinned = True
         self.client = StubTreq(personalities(facade, peer))

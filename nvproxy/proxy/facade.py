@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from attrs import frozen
 from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred, gatherResults
 from twisted.logger import Logger
@@ -74,6 +75,21 @@ class _Sink:
         self._client.reject(status, message, retry_after)
 
 
+@frozen
+class FacadeParts:
+    """
+    What both personalities of one engine's facade are made of.
+
+    @ivar hidden: whether a raw path must not reach the engine (404).
+    """
+
+    backend: Backend
+    dispatcher: Dispatcher
+    accounting: Accounting
+    settings: AttemptSettings
+    hidden: Callable[[bytes], bool] = is_hidden
+
+
 class _Front:
     """
     What both personalities share: the Klein app, containment of a bug to
@@ -81,21 +97,13 @@ class _Front:
     dispatch targets.
     """
 
-    def __init__(
-        self,
-        *,
-        backend: Backend,
-        dispatcher: Dispatcher,
-        accounting: Accounting,
-        settings: AttemptSettings,
-        hidden: Callable[[bytes], bool] = is_hidden,
-    ) -> None:
-        self.backend = backend
+    def __init__(self, parts: FacadeParts) -> None:
+        self.backend = backend = parts.backend
         self.engine = backend.engine
-        self._dispatcher = dispatcher
-        self._accounting = accounting
-        self._settings = settings
-        self._hidden = hidden
+        self._dispatcher = parts.dispatcher
+        self._accounting = parts.accounting
+        self._settings = parts.settings
+        self._hidden = parts.hidden
         app = Klein()
         # Paths reach the facade exactly as sent: no slash merging or
         # redirects, the upstream decides what a path means.
@@ -229,23 +237,9 @@ class Facade(_Front):
     """
 
     def __init__(
-        self,
-        *,
-        backend: Backend,
-        discovery: Discovery,
-        dispatcher: Dispatcher,
-        accounting: Accounting,
-        settings: AttemptSettings,
-        inventory: InventoryClient,
-        hidden: Callable[[bytes], bool] = is_hidden,
+        self, parts: FacadeParts, *, discovery: Discovery, inventory: InventoryClient
     ) -> None:
-        super().__init__(
-            backend=backend,
-            dispatcher=dispatcher,
-            accounting=accounting,
-            settings=settings,
-            hidden=hidden,
-        )
+        super().__init__(parts)
         self._discovery = discovery
         self._inventory_client = inventory
 
@@ -395,22 +389,9 @@ class PeerFacade(_Front):
     """
 
     def __init__(
-        self,
-        *,
-        backend: Backend,
-        dispatcher: Dispatcher,
-        accounting: Accounting,
-        settings: AttemptSettings,
-        peer_of: Callable[[Any], str | None],
-        hidden: Callable[[bytes], bool] = is_hidden,
+        self, parts: FacadeParts, *, peer_of: Callable[[Any], str | None]
     ) -> None:
-        super().__init__(
-            backend=backend,
-            dispatcher=dispatcher,
-            accounting=accounting,
-            settings=settings,
-            hidden=hidden,
-        )
+        super().__init__(parts)
         self._peer_of = peer_of
 
     def _route(self, request: Any) -> Any:
