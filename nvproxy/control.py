@@ -26,20 +26,29 @@ C{workload:*}               out          C{{workloadInfo}} (spec §5.5)
 ==========================  ===========  ===========================================
 
 When the broker closes the link, facades stop serving and the process exits
-(spec §11).  Logs never go to standard output while the link is attached.
+(spec §11); nothing the broker sends closes it.  A line longer than
+C{max_line} bytes gets an invalid-request error (id C{null}) naming the limit
+and is discarded up to its newline; JSON that is not valid (C{NaN} and
+C{Infinity} included) is a parse error; a message nested deeper than
+L{MAX_DEPTH} levels, or with an id that is not a string, a finite number or
+C{null}, is an invalid request.  Logs never go to standard output while the
+link is attached.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from twisted.internet import protocol
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.logger import Logger
-from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 
+from nvproxy.config import format_size
 from nvproxy.engines import ENGINES
 from nvproxy.logs import LEVELS
 from nvproxy.ops import OperationError
@@ -52,7 +61,14 @@ PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 METHOD_NOT_FOUND = -32601
 INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
 SERVER_ERROR = -32000
+
+MAX_LINE = 1 << 20
+"""The default longest line, in bytes, without its newline."""
+
+MAX_DEPTH = 64
+"""The deepest nesting of arrays and objects a message may have."""
 
 
 class ControlError(Exception):
@@ -106,18 +122,28 @@ def split_address(method: str) -> tuple[str | None, str]:
 _FACADE_SCOPED = frozenset({"node/select", "set-port", "ready", "error"})
 
 
-class ControlLink(LineOnlyReceiver):
+class ControlLink(protocol.Protocol):
     """
     The JSON-RPC endpoint on the broker's pipe.
+
+    @ivar max_line: the longest line, in bytes without its newline; a longer
+        one is answered with an error and discarded up to its newline.
     """
 
     delimiter = b"\n"
-    MAX_LENGTH = 1 << 20
 
-    def __init__(self, target: ControlTarget, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        target: ControlTarget,
+        on_close: Callable[[], None],
+        max_line: int = MAX_LINE,
+    ) -> None:
         self._target = target
         self._on_close = on_close
+        self.max_line = max_line
         self.open = False
+        self._buffer = b""
+        self._discarding = False
 
     def connectionMade(self) -> None:
         self.open = True
@@ -125,7 +151,8 @@ class ControlLink(LineOnlyReceiver):
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         self.open = False
-        log.info("broker link closed; stopping")
+        why = reason.getErrorMessage() if reason is not None else "closed"
+        log.info("broker link closed: {why}", why=why)
         self._on_close()
 
     # -- out --------------------------------------------------------------
@@ -133,7 +160,7 @@ class ControlLink(LineOnlyReceiver):
     def _send(self, message: Mapping[str, Any]) -> None:
         if self.open and self.transport is not None:
             line = json.dumps(message, separators=(",", ":")).encode()
-            self.sendLine(line)  # type: ignore[no-untyped-call]
+            self.transport.write(line + self.delimiter)
 
     def notify(self, method: str, params: Mapping[str, Any]) -> None:
         self._send({"jsonrpc": "2.0", "method": method, "params": dict(params)})
@@ -144,21 +171,84 @@ class ControlLink(LineOnlyReceiver):
 
     # -- in ---------------------------------------------------------------
 
+    def dataReceived(self, data: bytes) -> None:
+        """
+        Split lines; a line over L{max_line} is refused as soon as it is
+        known to be too long, and its bytes are dropped up to its newline.
+        """
+        if self._discarding:
+            end = data.find(self.delimiter)
+            if end < 0:
+                return
+            self._discarding = False
+            data = data[end + 1 :]
+        buffer = self._buffer + data
+        self._buffer = b""
+        start = 0
+        while self.open:
+            end = buffer.find(self.delimiter, start)
+            if end < 0:
+                break
+            if end - start > self.max_line:
+                self._too_long()
+            else:
+                self._line(buffer[start:end])
+            start = end + 1
+        rest = buffer[start:]
+        if len(rest) > self.max_line:
+            self._too_long()
+            self._discarding = True
+        elif self.open:
+            self._buffer = rest
+
+    def _too_long(self) -> None:
+        limit = format_size(self.max_line)
+        log.warn(
+            "broker link: discarded a line longer than {limit}",
+            limit=limit,
+        )
+        self._error(
+            None,
+            INVALID_REQUEST,
+            f"line longer than {limit} ({self.max_line} bytes); discarded",
+        )
+
+    def _line(self, line: bytes) -> None:
+        try:
+            self.lineReceived(line)
+        except Exception:
+            # A bug, not the broker's doing: logged with its stack; the link
+            # stays up.
+            log.failure("broker line handling failed")
+            self._error(None, INTERNAL_ERROR, "internal error")
+
     def lineReceived(self, line: bytes) -> None:
         if not line.strip():
             return
         try:
-            message = json.loads(line)
+            message = json.loads(line, parse_constant=_no_constant)
         except ValueError:
             self._error(None, PARSE_ERROR, "parse error")
+            return
+        except RecursionError:
+            self._error(None, INVALID_REQUEST, _TOO_DEEP)
             return
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
             self._error(None, INVALID_REQUEST, "not a JSON-RPC 2.0 message")
             return
-        method = message.get("method")
         ident = message.get("id")
-        if not isinstance(method, str):
+        if not _valid_id(ident):
+            self._error(None, INVALID_REQUEST, "id must be a string, number or null")
+            return
+        if _deeper_than(message, MAX_DEPTH):
+            self._error(ident, INVALID_REQUEST, _TOO_DEEP)
+            return
+        if "method" not in message and ("result" in message or "error" in message):
             # A response to something we sent; we send only notifications.
+            return
+        method = message.get("method")
+        if not isinstance(method, str):
+            self._error(ident, INVALID_REQUEST, "method must be a string")
             return
         params = message.get("params", {})
         if not isinstance(params, dict):
@@ -248,6 +338,48 @@ class ControlLink(LineOnlyReceiver):
         return Deferred.fromCoroutine(enable())
 
 
+_TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
+
+
+def _no_constant(name: str) -> object:
+    """C{NaN}, C{Infinity}, C{-Infinity} are not JSON."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def _valid_id(ident: object) -> bool:
+    """JSON-RPC 2.0: an id is a string, a number or null."""
+    if ident is None or isinstance(ident, str):
+        return True
+    if isinstance(ident, bool):
+        return False
+    if isinstance(ident, int):
+        return True
+    return isinstance(ident, float) and math.isfinite(ident)
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """
+    Whether C{value} nests arrays and objects more than C{limit} deep;
+    without recursion, so any depth json accepted is measured safely.
+    """
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children: Any
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend(
+            (child, depth + 1) for child in children if isinstance(child, dict | list)
+        )
+    return False
+
+
 def _engine_param(params: Mapping[str, Any]) -> str:
     engine = params.get("engine")
     if not isinstance(engine, str) or engine not in ENGINES:
@@ -272,7 +404,8 @@ def _port_param(params: Mapping[str, Any], key: str, allow_zero: bool = False) -
 def _alias(value: object) -> tuple[str, int]:
     if isinstance(value, str):
         host, sep, port = value.rpartition(":")
-        if sep and port.isdigit() and 1 <= int(port) <= 65535:
+        # ASCII digits only: str.isdigit() admits superscripts int() refuses.
+        if sep and re.fullmatch(r"[0-9]{1,5}", port) and 1 <= int(port) <= 65535:
             return host.strip("[]"), int(port)
     raise ControlError(INVALID_PARAMS, f"alias must be HOST:PORT, got {value!r}")
 
@@ -295,5 +428,6 @@ def _snapshot(params: Mapping[str, Any]) -> SchedulerSnapshot:
             {str(k): int(v) for k, v in pending.items()},
             {str(k): float(v) for k, v in pressure.items()},
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
+        # OverflowError: int() of an infinite float (JSON 1e400).
         raise ControlError(INVALID_PARAMS, f"bad snapshot: {e}") from None

@@ -209,7 +209,11 @@ class NvProxy(MultiService):
         sinks: list[WorkloadSink] = [self.workloads]
         self.link: ControlLink | None = None
         if config.control == "stdio":
-            self.link = ControlLink(self.ops, lambda: self._link_closed())
+            self.link = ControlLink(
+                self.ops,
+                lambda: self._link_closed(),
+                max_line=config.control_max_line,
+            )
             sinks.append(self.link)
         self._workload_file: IO[str] | None = None
         if config.workload_log is not None:
@@ -410,6 +414,7 @@ class NvProxy(MultiService):
     def _link_closed(self) -> None:
         # §11: broker link closed -> facades stop serving, the pool closes.
         if self.running:
+            log.info("stopping: the broker link is closed")
             self.reactor.stop()
 
     def stopService(self) -> Deferred[Any]:

@@ -1469,6 +1469,7 @@ class SettingsTableTests(LoadTestsMixin):
         "eject-base": ("2s", 'dispatch.eject_base = "2s"'),
         "eject-max": ("1m", 'dispatch.eject_max = "1m"'),
         "cluster-dir": ("/c", 'cluster.dir = "/c"'),
+        "control-max-line": ("64KiB", 'control.max_line = "64KiB"'),
     }
 
     def test_flag_env_and_file_agree(self) -> None:
@@ -1515,6 +1516,7 @@ class SettingsTableTests(LoadTestsMixin):
                 "log_level": "info",
                 "listen_interface": "127.0.0.1",
                 "--control": "none",
+                "control.max_line": "1MiB",
                 "admin.listen": "127.0.0.1:8010",
                 "admin.enabled": "true",
                 "dispatch.max_attempts": "5",

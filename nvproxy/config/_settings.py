@@ -285,6 +285,14 @@ TOP: Final = Section(
             into="control",
         ),
         Setting(
+            "control.max_line",
+            SIZE,
+            "Longest broker-link line; a longer one gets a JSON-RPC error and is"
+            " discarded.",
+            flag="control-max-line",
+            into="control_max_line",
+        ),
+        Setting(
             "admin.listen",
             LOOPBACK,
             "Admin API listen address, loopback only.",

@@ -162,6 +162,8 @@ class Config:
     @ivar node_id: L{None} means derive it: see L{resolve_node_id}.
     @ivar engines: every engine of L{ENGINES}, in its order, enabled or not.
     @ivar control: C{"stdio"} attaches the broker link (spec §3, §4).
+    @ivar control_max_line: the longest line the broker link accepts, in
+        bytes; a longer one is answered with an error and discarded.
     @ivar listen_interface: the address facades listen on.
     @ivar config_path: the TOML file read, if any.
     """
@@ -179,6 +181,7 @@ class Config:
     cluster_dir: str | None = None
     nodes: tuple[NodeConfig, ...] = ()
     control: Control | None = None
+    control_max_line: int = 2**20
     listen_interface: str = "127.0.0.1"
     workload_log: str | None = None
     config_path: str | None = field(default=None, eq=False)
