@@ -60,7 +60,8 @@ def _body(request: Any) -> dict[str, Any]:
     raw = request.content.read()
     try:
         value = json.loads(raw or b"{}")
-    except ValueError:
+    except (ValueError, RecursionError):
+        # RecursionError: nested too deeply to decode, a client error too.
         raise AdminError(400, "request body is not valid JSON") from None
     if not isinstance(value, dict):
         raise AdminError(400, "request body must be a JSON object")

@@ -459,6 +459,9 @@ def _read_document(path: str) -> dict[str, object]:
         raise ConfigError(where, f"not UTF-8 text at byte {e.start}") from None
     try:
         return tomllib.loads(text)
+    except RecursionError:
+        # tomllib recurses per nesting level of inline arrays and tables.
+        raise ConfigError(where, "invalid TOML: nested too deeply") from None
     except tomllib.TOMLDecodeError as e:
         message = str(e)
         match = re.fullmatch(r"(.*) \(at line (\d+), column (\d+)\)", message)

@@ -28,8 +28,6 @@ the composition root builds one backend per facade.
 
 from __future__ import annotations
 
-import io
-import json
 from collections.abc import Sequence
 from typing import IO, Any, Protocol
 
@@ -38,6 +36,7 @@ from attrs import frozen
 from nvproxy.discovery import Discovery, Endpoint, NodeEntry
 from nvproxy.dispatch import Target
 from nvproxy.engines import Engine
+from nvproxy.proxy.bodies import with_model
 from nvproxy.proxy.client import ClientSide
 from nvproxy.vllm import ModelRequired, UnknownModel, VllmManager, WakingTarget
 
@@ -294,8 +293,7 @@ class VllmBackend(HttpBackend):
         )
 
 
-def _with_model(content: Any, model: str) -> io.BytesIO:
-    content.seek(0)
-    body = json.load(content)
-    body["model"] = model
-    return io.BytesIO(json.dumps(body).encode())
+def _with_model(content: Any, model: str) -> IO[bytes]:
+    # A spliced copy (no decode of the body, no recursion): in memory when
+    # the body is, else a temporary file streamed to the engine per attempt.
+    return with_model(content, model)
