@@ -38,6 +38,7 @@ from nvproxy.config import (
     Config,
     ConfigError,
     EngineConfig,
+    LimitsConfig,
     Options,
     resolve_node_id,
 )
@@ -53,7 +54,7 @@ from nvproxy.proxy.attempt import AttemptSettings
 from nvproxy.proxy.backends import Backend, HttpBackend, VllmBackend
 from nvproxy.proxy.facade import Facade, FacadeParts, PeerFacade, personalities
 from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
-from nvproxy.proxy.site import FacadeSite
+from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.scheduler import ReservationMap
 from nvproxy.vllm import VllmManager
@@ -250,7 +251,7 @@ class NvProxy(MultiService):
         if config.admin_enabled:
             host, port = config.admin_listen
             admin = admin_app(self.ops, self.registry, vllm=self.vllm is not None)
-            site = _plain_site(admin.resource(), reactor)
+            site = _plain_site(admin.resource(), reactor, config.limits)
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
 
@@ -355,7 +356,7 @@ class NvProxy(MultiService):
             error_body=engine.error_body,
             max_body=limits.max_body,
             max_connections=limits.max_connections,
-            header_timeout=limits.header_timeout,
+            limits=_client_limits(limits),
             reactor=self.reactor,
         )
         port = engine_config.port
@@ -442,12 +443,19 @@ class NvProxy(MultiService):
         return DeferredList([listener.ready for listener in listeners])
 
 
-def _plain_site(resource: Any, reactor: Any) -> IProtocolFactory:
-    from twisted.web.server import Site
+def _client_limits(limits: LimitsConfig) -> ClientLimits:
+    return ClientLimits(
+        header_timeout=limits.header_timeout,
+        idle_timeout=limits.idle_timeout,
+        max_request_line=limits.max_request_line,
+        max_header_bytes=limits.max_header_bytes,
+        max_header_count=limits.max_header_count,
+    )
 
-    site = Site(resource, reactor=reactor)
-    site.displayTracebacks = False
-    return site
+
+def _plain_site(resource: Any, reactor: Any, limits: LimitsConfig) -> IProtocolFactory:
+    # The admin listener: the facades' head limits, JSON errors.
+    return GuardedSite(resource, limits=_client_limits(limits), reactor=reactor)
 
 
 def build(config: Config, reactor: Any, hostname: str | None = None) -> NvProxy:

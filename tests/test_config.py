@@ -1531,6 +1531,10 @@ class SettingsTableTests(LoadTestsMixin):
                 "limits.max_body": "64MiB",
                 "limits.max_connections": "4096",
                 "limits.header_timeout": "30s",
+                "limits.idle_timeout": "1m",
+                "limits.max_request_line": "8KiB",
+                "limits.max_header_bytes": "64KiB",
+                "limits.max_header_count": "100",
                 "workloads.log": "none",
             },
         )

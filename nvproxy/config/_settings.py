@@ -371,7 +371,28 @@ TOP: Final = Section(
         Setting(
             "limits.header_timeout",
             duration(zero=False),
-            "Request line and headers must arrive within this.",
+            "Request line and headers must arrive within this of their first byte;"
+            " 408 beyond.",
+        ),
+        Setting(
+            "limits.idle_timeout",
+            duration(zero=False),
+            "Close a connection silent this long between requests or mid-body.",
+        ),
+        Setting(
+            "limits.max_request_line",
+            SIZE,
+            "Longest request line; 414 beyond.",
+        ),
+        Setting(
+            "limits.max_header_bytes",
+            SIZE,
+            "Largest header section (after the request line); 431 beyond.",
+        ),
+        Setting(
+            "limits.max_header_count",
+            integer(1),
+            "Most header fields in one request; 431 beyond.",
         ),
         Setting(
             "cluster.dir",

@@ -57,6 +57,10 @@ class LimitsConfig:
     max_body: int = 64 * 2**20
     max_connections: int = 4096
     header_timeout: float = 30.0
+    idle_timeout: float = 60.0
+    max_request_line: int = 8 * 2**10
+    max_header_bytes: int = 64 * 2**10
+    max_header_count: int = 100
 
 
 @frozen

@@ -1,16 +1,33 @@
-# -*- test-case-name: tests.test_facade -*-
+# -*- test-case-name: tests.test_site,tests.test_facade -*-
 """
-twisted.web plumbing for a facade port: a request that bounds its body and
-leaves it unparsed, and a site that caps its connections.
+twisted.web plumbing for a facade port and the admin listener: a channel that
+bounds how a request head arrives, a request that bounds its body and leaves
+it unparsed, and a site that caps its connections.
 
-What a client sees when a limit trips:
+What a client sees when a limit trips (each answer carries C{Connection:
+close} and the connection then closes; the body is an error in the engine's
+dialect on a facade, C{{"error": "..."}} on the admin listener):
 
-* body larger than C{max_body}: C{413} in the engine's error dialect, then the
-  connection closes (the rest of the body is not read);
-* more than C{max_connections} open connections: C{503} with C{Retry-After: 1}
-  and an immediate close;
-* no complete request within C{header_timeout} of silence: the connection is
-  closed (twisted.web's idle timeout, suspended while a request is served).
+* request line and headers not complete within C{header_timeout} of the
+  request's first byte (an absolute deadline: bytes trickling in do not
+  extend it): C{408};
+* a request line longer than C{max_request_line}: C{414};
+* a header section (the lines after the request line, with their line
+  endings) larger than C{max_header_bytes}, or more than C{max_header_count}
+  header fields: C{431};
+* a CR or LF that is not part of a CRLF in the head or in a chunk-size line,
+  a chunk size of more than 16 hex digits or not hexadecimal, or any other
+  malformed head or chunked framing: C{400};
+* body larger than C{max_body}: C{413} (the rest of the body is not read);
+* more than C{max_connections} open connections (facades): C{503} with
+  C{Retry-After: 1} and an immediate close;
+* silence for C{idle_timeout} between requests or while a body arrives: the
+  connection is closed without an answer.
+
+The header deadline starts when the channel is connected (for a facade: at
+the connection's first byte, which is when the first-byte demux hands it
+over; on the admin listener: at accept) and, for each later request on a
+keep-alive connection, at the first byte the channel reads of it.
 """
 
 from __future__ import annotations
@@ -18,15 +35,347 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.interfaces import IAddress
+from attrs import frozen
+from twisted.internet.interfaces import IAddress, IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http import HTTPChannel
+from twisted.web.http import (
+    HTTPChannel,
+    _ChunkedTransferDecoder,
+    _MalformedChunkedDataError,
+)
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from nvproxy.jsonhttp import json_bytes
+
 log = Logger()
+
+#: A chunk size of more hex digits than this is refused (2**64 is plenty).
+MAX_CHUNK_SIZE_DIGITS = 16
+
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+}
+
+
+@frozen
+class ClientLimits:
+    """
+    How a request head must arrive; see the module docstring for the answers.
+
+    @ivar header_timeout: seconds from a request's first byte to the end of
+        its headers.
+    @ivar idle_timeout: seconds of silence between requests (or mid-body)
+        after which a connection is closed.
+    @ivar max_request_line: bytes, without the CRLF.
+    @ivar max_header_bytes: bytes of header lines with their CRLFs, not
+        counting the request line or the empty line ending the head.
+    @ivar max_header_count: header field lines (continuation lines excluded).
+    """
+
+    header_timeout: float = 30.0
+    idle_timeout: float = 60.0
+    max_request_line: int = 8 * 2**10
+    max_header_bytes: int = 64 * 2**10
+    max_header_count: int = 100
+
+
+def plain_error_body(status: int, message: str) -> bytes:
+    """The admin listener's error body: C{{"error": message}}."""
+    return json_bytes({"error": message})
+
+
+def _chunk_size_error(line: bytes, complete: bool) -> str | None:
+    """
+    Why the chunk-size line C{line} (without its CRLF; C{complete} is false
+    while the CRLF has not arrived yet) is malformed, or L{None}.
+    """
+    digits = 0
+    for byte in line:
+        if byte not in _HEX:
+            break
+        digits += 1
+    if digits > MAX_CHUNK_SIZE_DIGITS:
+        return f"chunk size has more than {MAX_CHUNK_SIZE_DIGITS} hex digits"
+    rest = line[digits:]
+    if not complete and rest.endswith(b"\r"):
+        rest = rest[:-1]
+        if not rest and not digits:
+            return "chunk size is not hexadecimal"
+    if b"\r" in rest or b"\n" in rest:
+        return "bare CR or LF in a chunk-size line"
+    if (rest and not rest.startswith(b";")) or (not digits and (rest or complete)):
+        return "chunk size is not hexadecimal"
+    return None
+
+
+class _StrictChunkedDecoder(_ChunkedTransferDecoder):
+    """
+    twisted.web's chunked decoder, failing at once on a chunk size it would
+    otherwise accept (33 digits: it then waits for 2**132 bytes) or wait on
+    (a bare CR: it waits for a CRLF until 1 KiB has arrived).
+
+    @ivar error: why the framing was refused, once it was.
+    """
+
+    error: str | None = None
+
+    def _dataReceived_CHUNK_LENGTH(self) -> bool:
+        end = self._buffer.find(b"\r\n")
+        line = bytes(self._buffer if end < 0 else self._buffer[:end])
+        error = _chunk_size_error(line, complete=end >= 0)
+        if error is not None:
+            self.error = error
+            raise _MalformedChunkedDataError(error)
+        try:
+            return super()._dataReceived_CHUNK_LENGTH()
+        except _MalformedChunkedDataError:
+            self.error = "malformed chunked body"
+            raise
+
+    def _dataReceived_CRLF(self) -> bool:
+        try:
+            return super()._dataReceived_CRLF()
+        except _MalformedChunkedDataError:
+            self.error = "chunk data not followed by CRLF"
+            raise
+
+
+class _GuardedChannel(HTTPChannel):
+    """
+    An C{HTTPChannel} whose request heads must arrive within an absolute
+    deadline and within the site's size limits, and whose refusals are proper
+    answers rather than a bare status line or a silent close.
+
+    twisted.web's own limits (C{MAX_LENGTH}, C{totalHeadersSize},
+    C{maxHeaders}) are set just above these in L{GuardedSite.buildProtocol},
+    so they never trip first.
+    """
+
+    site: GuardedSite
+
+    # A request line has arrived and its headers have not all arrived.
+    _in_head = False
+    _head_bytes = 0
+    _head_fields = 0
+    _deadline: IDelayedCall | None = None
+    _refused = False
+
+    def connectionMade(self) -> None:
+        HTTPChannel.connectionMade(self)
+        self._arm_deadline()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if data and self.line_mode and not self._handlingRequest:
+            self._arm_deadline()
+        HTTPChannel.dataReceived(self, data)
+        if not self._refused:
+            self._check_partial_line()
+
+    def lineReceived(self, line: bytes) -> None:
+        if self._refused:
+            return
+        self._arm_deadline()
+        limits = self.site.limits
+        if b"\r" in line or b"\n" in line:
+            self._refuse(400, "bare CR or LF in the request head")
+            return
+        if not self._in_head:
+            if len(line) > limits.max_request_line:
+                self._refuse_request_line()
+                return
+            if line:
+                self._in_head = True
+                self._head_bytes = 0
+                self._head_fields = 0
+        elif line:
+            self._head_bytes += len(line) + 2
+            if self._head_bytes > limits.max_header_bytes:
+                self._refuse_header_bytes()
+                return
+            if line[0] not in b" \t":
+                self._head_fields += 1
+                if self._head_fields > limits.max_header_count:
+                    self._refuse(
+                        431, f"more than {limits.max_header_count} header fields"
+                    )
+                    return
+        HTTPChannel.lineReceived(self, line)
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        if self._in_head:
+            self._refuse_header_bytes()
+        else:
+            self._refuse_request_line()
+
+    def _check_partial_line(self) -> None:
+        """
+        Judge the line still waiting for its CRLF: twisted.web would wait for
+        it until C{MAX_LENGTH} bytes have arrived.
+        """
+        if not self.line_mode or self._handlingRequest or not self._buffer:
+            return
+        self._arm_deadline()
+        partial = self._buffer
+        end = partial.find(b"\r\n")
+        if end >= 0:
+            partial = partial[:end]
+        awaited = partial[:-1] if partial.endswith(b"\r") else partial
+        if b"\r" in awaited or b"\n" in awaited:
+            self._refuse(400, "bare CR or LF in the request head")
+        elif not self._in_head:
+            if len(awaited) > self.site.limits.max_request_line:
+                self._refuse_request_line()
+        elif self._head_bytes + len(awaited) > self.site.limits.max_header_bytes:
+            self._refuse_header_bytes()
+
+    def allHeadersReceived(self) -> None:
+        self._in_head = False
+        self._cancel_deadline()
+        HTTPChannel.allHeadersReceived(self)
+
+    def _maybeChooseTransferDecoder(self, header: bytes, data: bytes) -> bool:
+        ok: bool = HTTPChannel._maybeChooseTransferDecoder(self, header, data)
+        if ok and type(self._transferDecoder) is _ChunkedTransferDecoder:
+            self._transferDecoder = _StrictChunkedDecoder(
+                self.requests[-1].handleContentChunk, self._finishRequestBody
+            )
+        return ok
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        decoder = self._transferDecoder
+        if isinstance(decoder, _StrictChunkedDecoder) and decoder.error is not None:
+            self._refuse(400, decoder.error)
+        elif self._in_head:
+            self._refuse(400, "malformed request head")
+        else:
+            self._refuse(400, "malformed request")
+
+    def timeoutConnection(self) -> None:
+        # HTTPChannel's own logs at info; an idle client is routine.
+        log.debug(
+            "closed a connection from {peer}: silent for {timeout}s",
+            peer=self._peer(),
+            timeout=self.timeOut,
+        )
+        self._close()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._cancel_deadline()
+        HTTPChannel.connectionLost(self, reason)
+
+    # -- the header deadline ------------------------------------------------
+
+    def _arm_deadline(self) -> None:
+        if self._deadline is None and not self._refused:
+            self._deadline = self.site.reactor.callLater(
+                self.site.limits.header_timeout, self._deadline_passed
+            )
+
+    def _cancel_deadline(self) -> None:
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None and deadline.active():
+            deadline.cancel()
+
+    def _deadline_passed(self) -> None:
+        self._deadline = None
+        self._refuse(
+            408,
+            "request line and headers not complete within"
+            f" {self.site.limits.header_timeout:g}s",
+        )
+
+    # -- refusals -----------------------------------------------------------
+
+    def _refuse_request_line(self) -> None:
+        self._refuse(
+            414, f"request line exceeds {self.site.limits.max_request_line} bytes"
+        )
+
+    def _refuse_header_bytes(self) -> None:
+        self._refuse(
+            431, f"request headers exceed {self.site.limits.max_header_bytes} bytes"
+        )
+
+    def _refuse(self, status: int, reason: str) -> None:
+        """
+        Answer C{status} with C{reason} in the site's error dialect and close
+        the connection; nothing more is read from it.
+        """
+        if self._refused:
+            return
+        self._refused = True
+        self._cancel_deadline()
+        log.debug(
+            "refused a request from {peer} with {status}: {reason}",
+            peer=self._peer(),
+            status=status,
+            reason=reason,
+        )
+        body = self.site.error_body(status, reason)
+        transport = self.transport
+        assert transport is not None
+        transport.write(
+            b"HTTP/1.1 %d %s\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n"
+            b"Connection: close\r\n\r\n" % (status, _REASONS[status], len(body)) + body
+        )
+        self._close()
+
+    def _close(self) -> None:
+        self.setTimeout(None)  # type: ignore[no-untyped-call]
+        if self.abortTimeout is not None and self._abortingCall is None:
+            # A client that does not read cannot hold the connection open.
+            self._abortingCall = self.site.reactor.callLater(
+                self.abortTimeout, self.forceAbortClient
+            )
+        self.loseConnection()  # type: ignore[no-untyped-call]
+
+    def _peer(self) -> str:
+        return str(self.transport.getPeer()) if self.transport else "?"
+
+
+class GuardedSite(Site):
+    """
+    A site whose channels enforce L{ClientLimits} (the admin listener's).
+
+    @param error_body: the body of an error answer, from status and message.
+    """
+
+    protocol = _GuardedChannel  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        resource: IResource,
+        *,
+        error_body: Callable[[int, str], bytes] = plain_error_body,
+        limits: ClientLimits = ClientLimits(),
+        reactor: Any = None,
+    ) -> None:
+        Site.__init__(self, resource, timeout=limits.idle_timeout, reactor=reactor)
+        self.error_body = error_body
+        self.limits = limits
+        self.displayTracebacks = False
+
+    def buildProtocol(self, addr: IAddress | None) -> Any:
+        channel = Site.buildProtocol(self, addr)
+        limits = self.limits
+        # twisted.web's own limits, each just beyond ours: they answer a bare
+        # 400 or close silently.
+        channel.MAX_LENGTH = max(limits.max_request_line, limits.max_header_bytes) + 1
+        channel.totalHeadersSize = limits.max_request_line + limits.max_header_bytes + 1
+        channel.maxHeaders = limits.max_header_count + 1
+        return channel
 
 
 class FacadeRequest(Request):
@@ -95,16 +444,16 @@ def _site(request: Request) -> FacadeSite:
     return site
 
 
-class _CountedChannel(HTTPChannel):
+class _CountedChannel(_GuardedChannel):
+    site: FacadeSite
+
     def connectionMade(self) -> None:
         self.site.connections += 1
-        HTTPChannel.connectionMade(self)
-
-    site: FacadeSite
+        _GuardedChannel.connectionMade(self)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.connections -= 1
-        HTTPChannel.connectionLost(self, reason)
+        _GuardedChannel.connectionLost(self, reason)
 
 
 class _Overloaded(Protocol):
@@ -123,12 +472,12 @@ class _Overloaded(Protocol):
         self.transport.loseConnection()
 
 
-class FacadeSite(Site):
+class FacadeSite(GuardedSite):
     """
     A site for one facade port.
     """
 
-    protocol = _CountedChannel  # type: ignore[assignment]
+    protocol = _CountedChannel
     requestFactory = FacadeRequest
     noisy = False
 
@@ -139,15 +488,15 @@ class FacadeSite(Site):
         error_body: Callable[[int, str], bytes],
         max_body: int,
         max_connections: int,
-        header_timeout: float,
+        limits: ClientLimits = ClientLimits(),
         reactor: Any = None,
     ) -> None:
-        Site.__init__(self, resource, timeout=header_timeout or None, reactor=reactor)
-        self.error_body = error_body
+        GuardedSite.__init__(
+            self, resource, error_body=error_body, limits=limits, reactor=reactor
+        )
         self.max_body = max_body
         self.max_connections = max_connections
         self.connections = 0
-        self.displayTracebacks = False
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
         if self.connections >= self.max_connections:
@@ -156,7 +505,7 @@ class FacadeSite(Site):
                 limit=self.max_connections,
             )
             return _Overloaded(self.error_body(503, "too many connections"))
-        return Site.buildProtocol(self, addr)
+        return GuardedSite.buildProtocol(self, addr)
 
     def log(self, request: Any) -> None:
         # Access logging goes through the facade's structured events.

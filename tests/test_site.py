@@ -1,0 +1,614 @@
+"""
+Tests for L{nvproxy.proxy.site}: how a request head must arrive (an absolute
+header deadline, an idle timeout, size limits) and the answers a client gets
+when it does not, on a facade site and on the admin listener's site.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import Clock, deferLater
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import Agent, readBody
+from twisted.web.resource import Resource
+from twisted.web.server import Request
+
+from nvproxy.engines import ENGINES
+from nvproxy.proxy.listener import DemuxFactory
+from nvproxy.proxy.site import (
+    ClientLimits,
+    FacadeSite,
+    GuardedSite,
+    _chunk_size_error,
+)
+from nvproxy.service import build
+from tests.test_service import service_config
+
+LIMITS = ClientLimits(
+    header_timeout=2.0,
+    idle_timeout=5.0,
+    max_request_line=100,
+    max_header_bytes=200,
+    max_header_count=5,
+)
+
+
+class _Echo(Resource):
+    isLeaf = True
+
+    def render_GET(self, request: Request) -> bytes:
+        return b"ok"
+
+    def render_POST(self, request: Request) -> bytes:
+        assert request.content is not None
+        return b"got " + request.content.read()
+
+
+def _facade_site(clock: Clock, engine: str = "ollama") -> FacadeSite:
+    return FacadeSite(
+        _Echo(),
+        error_body=ENGINES[engine].error_body,
+        max_body=1000,
+        max_connections=10,
+        limits=LIMITS,
+        reactor=clock,
+    )
+
+
+class _Connection:
+    """One channel of a site on a L{StringTransport}."""
+
+    def __init__(self, test: SynchronousTestCase, site: GuardedSite) -> None:
+        self.transport = StringTransport()
+        self.channel: Any = site.buildProtocol(None)
+        self.channel.makeConnection(self.transport)
+        test.addCleanup(self.lost)
+
+    def send(self, data: bytes) -> None:
+        self.channel.dataReceived(data)
+
+    def output(self) -> bytes:
+        return self.transport.value()
+
+    def closed(self) -> bool:
+        return bool(self.transport.disconnecting)
+
+    def lost(self) -> None:
+        self.channel.connectionLost(Failure(ConnectionDone()))
+
+    def refusal(self) -> tuple[int, dict[bytes, bytes], Any]:
+        """The one answer written: status, headers, JSON body."""
+        head, _, body = self.output().partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ")[1])
+        headers = dict(line.lower().split(b": ", 1) for line in lines[1:])
+        self.assertLength(headers, body)
+        return status, headers, json.loads(body)
+
+    @staticmethod
+    def assertLength(headers: dict[bytes, bytes], body: bytes) -> None:
+        assert int(headers[b"content-length"]) == len(body), (headers, body)
+
+
+class HeaderDeadlineTests(SynchronousTestCase):
+    """
+    Request line and headers must be complete within C{header_timeout} of
+    the request's first byte, however the bytes trickle in.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.site = _facade_site(self.clock)
+
+    def test_trickle_does_not_extend_the_deadline(self) -> None:
+        """
+        One byte every 0.1 s keeps the idle timeout at bay but not the
+        header deadline: at 2 s the client gets a 408 and the connection
+        closes.
+        """
+        conn = _Connection(self, self.site)
+        head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+        for byte in head[:19]:
+            conn.send(bytes([byte]))
+            self.clock.advance(0.1)
+        self.assertEqual(conn.output(), b"")
+        self.assertFalse(conn.closed())
+        self.clock.advance(0.05)  # 1.95 s after the first byte
+        self.assertFalse(conn.closed())
+        self.clock.advance(0.05)
+        self.assertTrue(conn.closed())
+        status, headers, body = conn.refusal()
+        self.assertEqual(status, 408)
+        self.assertEqual(headers[b"connection"], b"close")
+        self.assertEqual(
+            body, {"error": "request line and headers not complete within 2s"}
+        )
+
+    def test_bytes_after_the_refusal_are_ignored(self) -> None:
+        conn = _Connection(self, self.site)
+        conn.send(b"GET / HT")
+        self.clock.advance(2)
+        written = conn.output()
+        conn.send(b"TP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(conn.output(), written)
+
+    def test_complete_head_cancels_the_deadline(self) -> None:
+        """
+        A head that completes in time is served, and the deadline no longer
+        applies once it has.
+        """
+        conn = _Connection(self, self.site)
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        self.clock.advance(1.9)
+        conn.send(b"\r\n")
+        self.assertTrue(conn.output().startswith(b"HTTP/1.1 200 OK\r\n"))
+        self.assertTrue(conn.output().endswith(b"ok"))
+        self.clock.advance(4.9)
+        self.assertFalse(conn.closed())
+        self.assertNotIn(b"408", conn.output())
+
+    def test_keep_alive_deadline_starts_at_the_next_first_byte(self) -> None:
+        """
+        On a keep-alive connection the deadline of the next request starts
+        with its first byte, not with the connection.
+        """
+        conn = _Connection(self, self.site)
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.clock.advance(4)  # idle, below idle_timeout
+        conn.send(b"G")
+        served = conn.output()
+        self.clock.advance(1.9)
+        self.assertFalse(conn.closed())
+        self.clock.advance(0.1)
+        self.assertTrue(conn.closed())
+        self.assertTrue(conn.output()[len(served) :].startswith(b"HTTP/1.1 408 "))
+
+    def test_idle_keep_alive_connection_closed(self) -> None:
+        """
+        A connection silent for C{idle_timeout} after a response is closed
+        without an answer.
+        """
+        conn = _Connection(self, self.site)
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        served = conn.output()
+        self.clock.advance(4.9)
+        self.assertFalse(conn.closed())
+        self.clock.advance(0.1)
+        self.assertTrue(conn.closed())
+        self.assertEqual(conn.output(), served)
+
+    def test_admin_site_has_the_deadline(self) -> None:
+        """
+        The admin listener's site applies the same deadline, with a plain
+        JSON error.
+        """
+        conn = _Connection(
+            self, GuardedSite(_Echo(), limits=LIMITS, reactor=self.clock)
+        )
+        conn.send(b"GET /admin/status HTTP/1.1\r\nHost: x\r\nX: ")
+        for _ in range(19):
+            self.clock.advance(0.1)
+            conn.send(b"a")
+        self.clock.advance(0.1)
+        self.assertTrue(conn.closed())
+        status, headers, body = conn.refusal()
+        self.assertEqual((status, headers[b"content-type"]), (408, b"application/json"))
+        self.assertEqual(
+            body, {"error": "request line and headers not complete within 2s"}
+        )
+
+    def test_client_that_does_not_read_is_aborted(self) -> None:
+        """
+        After the refusal the connection is aborted if it has not closed
+        within C{abortTimeout}.
+        """
+        conn = _Connection(self, self.site)
+        conn.send(b"G")
+        self.clock.advance(2)
+        self.assertTrue(conn.closed())
+        self.assertFalse(conn.transport.disconnected)
+        self.clock.advance(conn.channel.abortTimeout)
+        self.assertTrue(conn.transport.disconnected)
+
+
+class SizeLimitTests(SynchronousTestCase):
+    """
+    Request line, header bytes and header count beyond the limits get 414
+    and 431 in the engine's dialect, then a close.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.site = _facade_site(self.clock, "lmstudio")
+
+    def refused(self, data: bytes) -> tuple[int, str]:
+        conn = _Connection(self, self.site)
+        conn.send(data)
+        self.assertTrue(conn.closed(), conn.output())
+        status, headers, body = conn.refusal()
+        self.assertEqual(headers[b"connection"], b"close")
+        self.assertEqual(body["error"]["code"], status)
+        message: str = body["error"]["message"]
+        return status, message
+
+    def served(self, data: bytes) -> bytes:
+        conn = _Connection(self, self.site)
+        conn.send(data)
+        self.assertFalse(conn.closed(), conn.output())
+        return conn.output()
+
+    def test_request_line_414(self) -> None:
+        path = b"/" + b"a" * 100
+        self.assertEqual(
+            self.refused(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n"),
+            (414, "request line exceeds 100 bytes"),
+        )
+
+    def test_partial_request_line_414_at_once(self) -> None:
+        """No need to wait for the CRLF of a line already too long."""
+        self.assertEqual(self.refused(b"GET /" + b"a" * 200)[0], 414)
+
+    def test_request_line_at_the_limit_served(self) -> None:
+        line = b"GET /" + b"a" * 86 + b" HTTP/1.1"
+        self.assertEqual(len(line), 100)
+        self.assertIn(b" 200 ", self.served(line + b"\r\nHost: x\r\n\r\n"))
+
+    def test_huge_request_line_414(self) -> None:
+        """A request line beyond twisted.web's own limits too."""
+        self.assertEqual(self.refused(b"GET /" + b"a" * 200_000)[0], 414)
+
+    def test_header_bytes_431(self) -> None:
+        self.assertEqual(
+            self.refused(b"GET / HTTP/1.1\r\nX: " + b"a" * 200 + b"\r\n\r\n"),
+            (431, "request headers exceed 200 bytes"),
+        )
+
+    def test_partial_header_431_at_once(self) -> None:
+        self.assertEqual(
+            self.refused(b"GET / HTTP/1.1\r\nX: " + b"a" * 100_000)[0], 431
+        )
+
+    def test_header_bytes_at_the_limit_served(self) -> None:
+        header = b"X: " + b"a" * 195 + b"\r\n"
+        self.assertEqual(len(header), 200)
+        self.assertIn(b" 200 ", self.served(b"GET / HTTP/1.1\r\n" + header + b"\r\n"))
+
+    def test_header_count_431(self) -> None:
+        headers = b"".join(b"X-%d: 1\r\n" % i for i in range(6))
+        self.assertEqual(
+            self.refused(b"GET / HTTP/1.1\r\n" + headers + b"\r\n"),
+            (431, "more than 5 header fields"),
+        )
+
+    def test_header_count_at_the_limit_served(self) -> None:
+        headers = b"".join(b"X-%d: 1\r\n" % i for i in range(5))
+        self.assertIn(b" 200 ", self.served(b"GET / HTTP/1.1\r\n" + headers + b"\r\n"))
+
+    def test_limits_apply_to_each_request(self) -> None:
+        """Header bytes are counted per request, not per connection."""
+        header = b"X: " + b"a" * 150 + b"\r\n"
+        request = b"GET / HTTP/1.1\r\n" + header + b"\r\n"
+        self.assertEqual(self.served(request * 3).count(b" 200 OK"), 3)
+
+
+class FramingTests(SynchronousTestCase):
+    """
+    Malformed framing gets a 400 in the dialect at once instead of a wait.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.site = _facade_site(self.clock)
+
+    def refused(self, data: bytes) -> str:
+        conn = _Connection(self, self.site)
+        conn.send(data)
+        self.assertTrue(conn.closed(), conn.output())
+        status, _, body = conn.refusal()
+        self.assertEqual(status, 400)
+        message: str = body["error"]
+        return message
+
+    def test_bare_cr_line_endings(self) -> None:
+        self.assertEqual(
+            self.refused(b"GET / HTTP/1.1\rHost: x\r\r"),
+            "bare CR or LF in the request head",
+        )
+
+    def test_bare_lf_line_endings(self) -> None:
+        self.assertEqual(
+            self.refused(b"GET / HTTP/1.1\nHost: x\n\n"),
+            "bare CR or LF in the request head",
+        )
+
+    def test_bare_cr_inside_a_complete_line(self) -> None:
+        self.assertEqual(
+            self.refused(b"GET / HTTP/1.1\r\nX: a\rb\r\n\r\n"),
+            "bare CR or LF in the request head",
+        )
+
+    def test_cr_awaiting_its_lf_is_not_refused(self) -> None:
+        conn = _Connection(self, self.site)
+        conn.send(b"GET / HTTP/1.1\r")
+        self.assertFalse(conn.closed())
+        conn.send(b"\nHost: x\r\n\r\n")
+        self.assertIn(b" 200 ", conn.output())
+
+    def chunked(self, body: bytes) -> bytes:
+        return (
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+        )
+
+    def test_chunk_size_of_33_digits(self) -> None:
+        self.assertEqual(
+            self.refused(self.chunked(b"1" * 33 + b"\r\n")),
+            "chunk size has more than 16 hex digits",
+        )
+
+    def test_chunk_size_not_hex(self) -> None:
+        self.assertEqual(
+            self.refused(self.chunked(b"5x\r\nhello\r\n0\r\n\r\n")),
+            "chunk size is not hexadecimal",
+        )
+
+    def test_chunk_size_line_with_bare_cr(self) -> None:
+        self.assertEqual(
+            self.refused(self.chunked(b"5\rhello")),
+            "bare CR or LF in a chunk-size line",
+        )
+
+    def test_chunk_not_ended_by_crlf(self) -> None:
+        self.assertEqual(
+            self.refused(self.chunked(b"5\r\nhelloXX")),
+            "chunk data not followed by CRLF",
+        )
+
+    def test_chunked_body_served(self) -> None:
+        conn = _Connection(self, self.site)
+        conn.send(self.chunked(b"5;a=b\r\nhello\r\n"))
+        conn.send(b"1\r\n!\r\n0\r\n\r\n")
+        self.assertTrue(conn.output().endswith(b"got hello!"), conn.output())
+
+    def test_malformed_header_400_in_dialect(self) -> None:
+        """twisted.web's own refusals get a body in the dialect too."""
+        self.assertEqual(
+            self.refused(b"GET / HTTP/1.1\r\nno colon here\r\n\r\n"),
+            "malformed request head",
+        )
+
+    def test_malformed_request_line(self) -> None:
+        self.assertEqual(self.refused(b"GARBAGE\r\n\r\n"), "malformed request head")
+
+
+class ChunkSizeErrorTests(SynchronousTestCase):
+    """
+    L{_chunk_size_error} on partial and complete chunk-size lines.
+    """
+
+    def test_accepted(self) -> None:
+        for line, complete in [
+            (b"", False),
+            (b"5", False),
+            (b"5\r", False),
+            (b"5", True),
+            (b"f" * 16, True),
+            (b"5;name=value", True),
+            (b"5;na", False),
+        ]:
+            self.assertIsNone(_chunk_size_error(line, complete), (line, complete))
+
+    def test_refused(self) -> None:
+        for line, complete in [
+            (b"", True),
+            (b"\r", False),
+            (b"f" * 17, False),
+            (b"5 ", False),
+            (b"-5", True),
+            (b"0x5", True),
+            (b"5\rx", False),
+            (b"5;a\nb", False),
+        ]:
+            self.assertIsNotNone(_chunk_size_error(line, complete), (line, complete))
+
+
+class ServiceLimitsTests(SynchronousTestCase):
+    """
+    The limits from the config reach every facade site and the admin site.
+    """
+
+    def test_config_limits_reach_the_sites(self) -> None:
+        config = service_config(
+            self,
+            '[admin]\nlisten = "127.0.0.1:28010"\n'
+            "[engines.ollama]\nport = 21435\n"
+            '[limits]\nheader_timeout = "3s"\nidle_timeout = "7s"\n'
+            'max_request_line = "1KiB"\nmax_header_bytes = "2KiB"\n'
+            "max_header_count = 9\n",
+        )
+        expected = ClientLimits(
+            header_timeout=3.0,
+            idle_timeout=7.0,
+            max_request_line=1024,
+            max_header_bytes=2048,
+            max_header_count=9,
+        )
+        proxy = build(config, MemoryReactorClock(), hostname="ignored")
+        self.assertTrue(proxy.sites)
+        for site in proxy.sites.values():
+            self.assertEqual(site.limits, expected)
+        admin = proxy.admin._factory
+        self.assertIsInstance(admin, GuardedSite)
+        self.assertNotIsInstance(admin, FacadeSite)
+        self.assertEqual(admin.limits, expected)
+        self.assertEqual(admin.timeOut, 7.0)
+
+    def test_defaults(self) -> None:
+        self.assertEqual(
+            ClientLimits(),
+            ClientLimits(
+                header_timeout=30.0,
+                idle_timeout=60.0,
+                max_request_line=8192,
+                max_header_bytes=65536,
+                max_header_count=100,
+            ),
+        )
+
+
+class _Trickler(Protocol):
+    """
+    Sends a request head one byte per C{interval}, never finishing it; notes
+    when its first byte left and when the connection closed.
+    """
+
+    head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 10_000
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.sent = 0
+        self.data = b""
+        self.first_byte: float | None = None
+        self.closed: Deferred[float] = Deferred()
+        self._call: Any = None
+
+    def connectionMade(self) -> None:
+        self.first_byte = reactor.seconds()  # type: ignore[attr-defined]
+        self._tick()
+
+    def _tick(self) -> None:
+        assert self.transport is not None
+        self.transport.write(self.head[self.sent : self.sent + 1])
+        self.sent += 1
+        self._call = reactor.callLater(self.interval, self._tick)  # type: ignore[attr-defined]
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self.closed.callback(reactor.seconds())  # type: ignore[attr-defined]
+
+
+class SlowlorisTests(TestCase):
+    """
+    Many connections trickling their headers over loopback are all dropped
+    at the header deadline while a normal client is still served.
+
+    The default suite holds 200 connections; set C{NVPROXY_SLOWLORIS=1000}
+    (or any count) for a bigger run.
+    """
+
+    header_timeout = 0.5
+    timeout = 60
+
+    def listen(self) -> tuple[IListeningPort, FacadeSite]:
+        site = FacadeSite(
+            _Echo(),
+            error_body=ENGINES["ollama"].error_body,
+            max_body=1000,
+            max_connections=4096,
+            limits=ClientLimits(header_timeout=self.header_timeout),
+            reactor=reactor,
+        )
+        factory = DemuxFactory(site, None, reactor)  # type: ignore[arg-type]
+        port = reactor.listenTCP(  # type: ignore[attr-defined]
+            0, factory, backlog=4096, interface="127.0.0.1"
+        )
+        self.addCleanup(port.stopListening)
+        return port, site
+
+    async def _normal_client(
+        self, url: bytes, stop: Deferred[None], latencies: list[float]
+    ) -> None:
+        agent = Agent(reactor)
+        while not stop.called:
+            start = reactor.seconds()  # type: ignore[attr-defined]
+            response = await agent.request(b"GET", url)
+            body = await readBody(response)
+            latencies.append(reactor.seconds() - start)  # type: ignore[attr-defined]
+            self.assertEqual((response.code, body), (200, b"ok"))
+            await deferLater(reactor, 0.01)
+
+    async def _slowloris(self, count: int) -> None:
+        port, site = self.listen()
+        address = port.getHost()
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", address.port)
+        url = b"http://127.0.0.1:%d/" % address.port
+
+        baseline: list[float] = []
+        for _ in range(20):
+            await self._normal_client_once(url, baseline)
+
+        tricklers = [_Trickler(0.05) for _ in range(count)]
+        await gatherResults(
+            [connectProtocol(endpoint, trickler) for trickler in tricklers]
+        )
+        # Every trickler's first byte has reached the site: measure the
+        # normal client while all of them are held.
+        for _ in range(500):
+            if site.connections >= count:
+                break
+            await deferLater(reactor, 0.01)
+        self.assertEqual(site.connections, count)
+        stop: Deferred[None] = Deferred()
+        during: list[float] = []
+        normal = Deferred.fromCoroutine(self._normal_client(url, stop, during))
+        closes = await gatherResults([t.closed for t in tricklers])
+        stop.callback(None)
+        await normal
+
+        for trickler, closed in zip(tricklers, closes, strict=True):
+            assert trickler.first_byte is not None
+            held = closed - trickler.first_byte
+            # The server's deadline starts when the first byte reaches it,
+            # a moment after the client sent it.
+            self.assertGreaterEqual(held, self.header_timeout - 0.02)
+            self.assertLess(held, self.header_timeout + 10)
+            self.assertTrue(trickler.data.startswith(b"HTTP/1.1 408 "), trickler.data)
+        self.assertTrue(during)
+        for _ in range(20):
+            await self._normal_client_once(url, during)
+        self.report(count, baseline, during)
+
+    async def _normal_client_once(self, url: bytes, latencies: list[float]) -> None:
+        agent = Agent(reactor)
+        start = reactor.seconds()  # type: ignore[attr-defined]
+        response = await agent.request(b"GET", url)
+        body = await readBody(response)
+        latencies.append(reactor.seconds() - start)  # type: ignore[attr-defined]
+        self.assertEqual((response.code, body), (200, b"ok"))
+
+    def report(self, count: int, baseline: list[float], during: list[float]) -> None:
+        def p(values: list[float], q: float) -> float:
+            ordered = sorted(values)
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+        line = (
+            f"slowloris x{count}: normal client p50/p99 {p(baseline, 0.5):.1f}/"
+            f"{p(baseline, 0.99):.1f} ms alone, {p(during, 0.5):.1f}/"
+            f"{p(during, 0.99):.1f} ms during ({len(during)} requests)"
+        )
+        if os.environ.get("NVPROXY_SLOWLORIS_REPORT"):
+            with open(os.environ["NVPROXY_SLOWLORIS_REPORT"], "a") as f:
+                f.write(line + "\n")
+
+    def test_trickling_connections_dropped_at_the_deadline(self) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._slowloris(200))
+
+    def test_many_trickling_connections(self) -> Deferred[None]:
+        count = int(os.environ.get("NVPROXY_SLOWLORIS", "0"))
+        if not count:
+            self.skipTest("set NVPROXY_SLOWLORIS=1000 to run")
+        return Deferred.fromCoroutine(self._slowloris(count))
