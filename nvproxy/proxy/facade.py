@@ -32,6 +32,7 @@ from twisted.internet.defer import CancelledError, Deferred, gatherResults
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
+from twisted.web.server import NOT_DONE_YET
 
 from nvproxy.accounting import Accounting, RequestAccounting
 from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
@@ -48,7 +49,7 @@ from nvproxy.proxy.bodies import (
     model_from_multipart,
 )
 from nvproxy.proxy.client import ClientSide
-from nvproxy.proxy.pathnorm import is_hidden, normalize_path
+from nvproxy.proxy.pathnorm import is_hidden, normalize_path, url_text_problem
 
 log = Logger()
 
@@ -90,6 +91,28 @@ class FacadeParts:
     hidden: Callable[[bytes], bool] = is_hidden
 
 
+class _TextURLGate(Resource):
+    """
+    Klein routes on text: a URL whose path or host is not UTF-8 is refused
+    here, in the engine's dialect, before Klein would answer it with its own
+    400 and log a traceback.
+    """
+
+    isLeaf = True
+
+    def __init__(self, inner: IResource, refuse: Callable[[Any, str], None]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._inner = inner
+        self._refuse = refuse
+
+    def render(self, request: Any) -> Any:
+        problem = url_text_problem(request.postpath, request.getRequestHostname())
+        if problem is None:
+            return self._inner.render(request)
+        self._refuse(request, problem)
+        return NOT_DONE_YET
+
+
 class _Front:
     """
     What both personalities share: the Klein app, containment of a bug to
@@ -114,7 +137,7 @@ class _Front:
         self.app = app
 
     def resource(self) -> Any:
-        return self.app.resource()
+        return _TextURLGate(self.app.resource(), self._refuse_url)
 
     def _route(self, request: Any) -> Any:
         raise NotImplementedError
@@ -132,6 +155,18 @@ class _Front:
             self._log_failure(request, None)
             self._answer_error(request, 500, "internal proxy error")
             return None
+
+    def _refuse_url(self, request: Any, reason: str) -> None:
+        # An expected client error: one line, no traceback (§3.2 keeps
+        # tracebacks for bugs).
+        log.info(
+            "{engine} facade refused {method} {path}: {reason}",
+            engine=self.engine.id,
+            method=request.method.decode("latin-1"),
+            path=clip(request.path.decode("latin-1")),
+            reason=reason,
+        )
+        self._answer_error(request, 400, reason)
 
     def _internal_error(self, request: Any, failure: Failure) -> Any:
         if failure.check(CancelledError):

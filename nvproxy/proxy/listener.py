@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from OpenSSL import SSL
 from twisted.application.service import Service
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.defer import Deferred, fail, succeed
@@ -47,9 +48,10 @@ from twisted.internet.interfaces import (
 )
 from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
 from twisted.logger import Logger
-from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.protocols.tls import TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
 
+from nvproxy.logs import clip
 from nvproxy.net import is_loopback
 
 __all__ = [
@@ -217,6 +219,31 @@ class DemuxFactory(ServerFactory):
         return protocol
 
 
+class _TLSProtocol(TLSMemoryBIOProtocol):
+    """
+    Server-side TLS whose failures (garbage after a 0x16, a failed
+    handshake, a broken record) are an expected client error: one debug
+    line with OpenSSL's reason, never a traceback.
+    """
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        # The TLS layer keeps the error that ended it in _reason and hands
+        # it to the wrapped protocol in place of the transport's reason.
+        why = getattr(self, "_reason", None) or reason
+        if why.check(SSL.Error) is not None:
+            transport = self.transport
+            log.debug(
+                "TLS with {peer} failed: {reason}",
+                peer=str(transport.getPeer()) if transport is not None else "?",
+                reason=clip(why.getErrorMessage()),
+            )
+        super().connectionLost(reason)  # type: ignore[no-untyped-call]
+
+
+class _TLSPersonality(TLSMemoryBIOFactory):
+    protocol = _TLSProtocol
+
+
 def tls_personality(
     creator: IOpenSSLServerConnectionCreator,
     wrapped: IProtocolFactory,
@@ -226,7 +253,7 @@ def tls_personality(
     The TLS personality: C{wrapped} (e.g. a C{Site}) behind a server-side TLS
     layer whose connections come from C{creator} (see L{nvproxy.cluster.ServerTLS}).
     """
-    return TLSMemoryBIOFactory(creator, False, wrapped, clock)
+    return _TLSPersonality(creator, False, wrapped, clock)
 
 
 def listen_facade(

@@ -29,12 +29,17 @@ decoding), does not start with ``/``, decodes to bytes that are not UTF-8, or
 contains a NUL or any other control character.  :func:`is_hidden` fails
 closed: an invalid path counts as hidden, so the facade answers 404 (or 400)
 instead of forwarding it.
+
+:func:`url_text_problem` is a separate, earlier check: Klein routes on text,
+so a path whose percent-decoded segments, or a ``Host`` whose bytes, are not
+UTF-8 can only be refused (400); it names the reason so the refusal is one
+log line, not a traceback.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from urllib.parse import unquote_to_bytes
 
@@ -46,6 +51,7 @@ __all__ = [
     "is_hidden",
     "match_key",
     "normalize_path",
+    "url_text_problem",
 ]
 
 MAX_PATH_BYTES = 8192
@@ -230,3 +236,23 @@ def is_hidden(
     return any(
         key == prefix or key.startswith(prefix.rstrip("/") + "/") for prefix in prefixes
     )
+
+
+def url_text_problem(segments: Sequence[bytes], host: bytes) -> str | None:
+    """
+    Why a request's URL cannot be routed as text, or C{None} if it can.
+
+    @param segments: the request's path segments as twisted.web hands them
+        to a resource (C{request.postpath}: split on ``/``, each
+        percent-decoded once).
+    @param host: the requested host name (C{request.getRequestHostname()}).
+    """
+    try:
+        b"/".join(segments).decode("utf-8")
+    except UnicodeDecodeError:
+        return "the request path is not valid UTF-8"
+    try:
+        host.decode("utf-8")
+    except UnicodeDecodeError:
+        return "the Host header is not valid UTF-8"
+    return None

@@ -475,6 +475,8 @@ class FakeEngine:
                 parsed = json.loads(raw)
             except ValueError as e:
                 unparsable = e
+            except RecursionError:
+                unparsable = ValueError("nested too deeply")
             else:
                 if isinstance(parsed, Mapping):
                     body = parsed
