@@ -20,10 +20,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.resource import IResource
 
 from nvproxy.engines import ENGINES
 from nvproxy.jsonhttp import json_bytes, set_json
+from nvproxy.logs import clip
 from nvproxy.ops import OperationError
+from nvproxy.proxy.urlgate import TextURLGate
 
 log = Logger()
 
@@ -170,3 +173,26 @@ def _vllm_routes(app: Klein, backend: AdminBackend) -> None:
         if raw not in (b"1", b"2"):
             raise AdminError(400, "level must be 1 or 2")
         return _json(request, 200, await backend.sleep(service, int(raw)))
+
+
+def admin_resource(app: Klein) -> IResource:
+    """
+    The admin app's resource behind the URL gate: a URL that is not UTF-8
+    text is a 400 in the admin API's JSON and one log line, not a Klein
+    traceback.
+    """
+
+    def refuse(request: Any, reason: str) -> None:
+        log.info(
+            "admin API refused {method} {path}: {reason}",
+            method=request.method.decode("latin-1"),
+            path=clip(request.path.decode("latin-1")),
+            reason=reason,
+        )
+        data = json_bytes({"error": reason})
+        set_json(request, 400, data)
+        request.write(data)
+        request.finish()
+
+    resource: IResource = TextURLGate(app.resource(), refuse)
+    return resource

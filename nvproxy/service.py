@@ -26,7 +26,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from nvproxy.accounting import Accounting
-from nvproxy.admin import admin_app
+from nvproxy.admin import admin_app, admin_resource
 from nvproxy.cluster import (
     ClientTLS,
     ClusterDir,
@@ -251,7 +251,7 @@ class NvProxy(MultiService):
         if config.admin_enabled:
             host, port = config.admin_listen
             admin = admin_app(self.ops, self.registry, vllm=self.vllm is not None)
-            site = _plain_site(admin.resource(), reactor, config.limits)
+            site = _plain_site(admin_resource(admin), reactor, config.limits)
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
 

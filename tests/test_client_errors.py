@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 from attrs import evolve
+from prometheus_client import CollectorRegistry
+from treq.testing import StubTreq
 from twisted.internet import reactor
 from twisted.internet.testing import EventLoggingObserver
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvproxy.admin import admin_app, admin_resource
 from nvproxy.cluster import ClusterDir
 from nvproxy.proxy.pathnorm import url_text_problem
 from nvproxy.testing.harness import proxy_config, start_proxy
@@ -91,6 +94,17 @@ class LiveClientErrorTests(ProxyTestCase):
         self.assertEqual(event["reason"], "the Host header is not valid UTF-8")
         self.assertNoTraceback()
 
+    async def test_absolute_form_target_is_served(self) -> None:
+        """An absolute-form request target (RFC 9112 §3.2.2) is routed."""
+        body = b'{"model": "m"}'
+        answer = await self.raw(
+            b"POST http://x/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%s" % (len(body), body)
+        )
+        self.assertTrue(answer.startswith(b"HTTP/1.1 200"), answer)
+        self.assertNoTraceback()
+
     async def test_non_http_first_line(self) -> None:
         answer = await self.raw(b"HELLO THERE\r\n\r\n")
         self.assertTrue(answer.startswith(b"HTTP/1.1 400"), answer)
@@ -144,3 +158,19 @@ class BugsKeepTheirStackTests(FacadeCase):
         )
         self.assertEqual([e for e in logged if "log_failure" in e], [])
         self.assertEqual(self.fakes["n1"].requests, [])
+
+
+class AdminURLTests(SynchronousTestCase):
+    """The admin API refuses a non-UTF-8 URL the same way: JSON, one line."""
+
+    def test_bad_encoding(self) -> None:
+        logged = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        app = admin_app(cast(Any, None), CollectorRegistry())
+        stub = StubTreq(admin_resource(app))
+        response = self.successResultOf(stub.get("http://admin/admin/%c0%afstatus"))
+        self.assertEqual(response.code, 400)
+        body = json.loads(self.successResultOf(stub.content(response)))
+        self.assertEqual(body, {"error": "the request path is not valid UTF-8"})
+        self.assertEqual([e for e in logged if "log_failure" in e], [])
+        [event] = [e for e in logged if e.get("reason")]
+        self.assertEqual(event["log_level"], LogLevel.info)

@@ -31,6 +31,7 @@ from nvproxy.proxy.site import (
     FacadeSite,
     GuardedSite,
     _chunk_size_error,
+    origin_form,
 )
 from nvproxy.service import build
 from tests.test_service import service_config
@@ -612,3 +613,20 @@ class SlowlorisTests(TestCase):
         if not count:
             self.skipTest("set NVPROXY_SLOWLORIS=1000 to run")
         return Deferred.fromCoroutine(self._slowloris(count))
+
+
+class OriginFormTests(SynchronousTestCase):
+    """Absolute-form request targets are routed and forwarded as origin-form."""
+
+    def test_forms(self) -> None:
+        cases = {
+            b"/v1/models": b"/v1/models",
+            b"http://x/v1/models": b"/v1/models",
+            b"https://x:8000/v1/chat/completions?a=1": b"/v1/chat/completions?a=1",
+            b"http://x?a=1": b"/?a=1",
+            b"http://x": b"/",
+            b"*": b"*",
+            b"x:y/z": b"x:y/z",
+        }
+        for target, expected in cases.items():
+            self.assertEqual(origin_form(target), expected, target)

@@ -32,7 +32,6 @@ from twisted.internet.defer import CancelledError, Deferred, gatherResults
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
-from twisted.web.server import NOT_DONE_YET
 
 from nvproxy.accounting import Accounting, RequestAccounting
 from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
@@ -49,7 +48,8 @@ from nvproxy.proxy.bodies import (
     model_from_multipart,
 )
 from nvproxy.proxy.client import ClientSide
-from nvproxy.proxy.pathnorm import is_hidden, normalize_path, url_text_problem
+from nvproxy.proxy.pathnorm import is_hidden, normalize_path
+from nvproxy.proxy.urlgate import TextURLGate
 
 log = Logger()
 
@@ -91,28 +91,6 @@ class FacadeParts:
     hidden: Callable[[bytes], bool] = is_hidden
 
 
-class _TextURLGate(Resource):
-    """
-    Klein routes on text: a URL whose path or host is not UTF-8 is refused
-    here, in the engine's dialect, before Klein would answer it with its own
-    400 and log a traceback.
-    """
-
-    isLeaf = True
-
-    def __init__(self, inner: IResource, refuse: Callable[[Any, str], None]) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._inner = inner
-        self._refuse = refuse
-
-    def render(self, request: Any) -> Any:
-        problem = url_text_problem(request.postpath, request.getRequestHostname())
-        if problem is None:
-            return self._inner.render(request)
-        self._refuse(request, problem)
-        return NOT_DONE_YET
-
-
 class _Front:
     """
     What both personalities share: the Klein app, containment of a bug to
@@ -137,7 +115,7 @@ class _Front:
         self.app = app
 
     def resource(self) -> Any:
-        return _TextURLGate(self.app.resource(), self._refuse_url)
+        return TextURLGate(self.app.resource(), self._refuse_url)
 
     def _route(self, request: Any) -> Any:
         raise NotImplementedError

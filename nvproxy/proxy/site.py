@@ -87,6 +87,23 @@ class ClientLimits:
     max_header_count: int = 100
 
 
+def origin_form(target: bytes) -> bytes:
+    """
+    A request target as its path and query: an absolute-form target
+    (C{http://host/path?q}, which a server must accept, RFC 9112 §3.2.2) is
+    routed and forwarded as C{/path?q}; any other target is unchanged.
+    """
+    if target.startswith(b"/"):
+        return target
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or not scheme.isalpha():
+        return target
+    for cut, char in ((rest.find(b"/"), b""), (rest.find(b"?"), b"/")):
+        if cut >= 0:
+            return char + rest[cut:]
+    return b"/"
+
+
 def plain_error_body(status: int, message: str) -> bytes:
     """The admin listener's error body: C{{"error": message}}."""
     return json_bytes({"error": message})
@@ -429,7 +446,7 @@ class FacadeRequest(Request):
         # of the call; process() (called at its end) restores it.
         self._hidden_type = self.requestHeaders.getRawHeaders(b"content-type")
         self.requestHeaders.removeHeader(b"content-type")
-        Request.requestReceived(self, command, path, version)
+        Request.requestReceived(self, command, origin_form(path), version)
 
     def process(self) -> None:
         hidden = getattr(self, "_hidden_type", None)
