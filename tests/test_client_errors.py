@@ -6,24 +6,19 @@ traceback; a bug is still logged with its stack (spec §3.2).
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, cast
 
-from attrs import evolve
 from prometheus_client import CollectorRegistry
 from treq.testing import StubTreq
-from twisted.internet import reactor
 from twisted.internet.testing import EventLoggingObserver
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvproxy.admin import admin_app, admin_resource
-from nvproxy.cluster import ClusterDir
 from nvproxy.proxy.pathnorm import url_text_problem
-from nvproxy.testing.harness import proxy_config, start_proxy
 from tests.test_facade import FacadeCase
 from tests.test_forwarding import ProxyTestCase
-from tests.test_fuzz import send_raw
+from tests.test_fuzz import send_raw, tls_proxy
 
 
 class URLTextProblemTests(SynchronousTestCase):
@@ -111,15 +106,7 @@ class LiveClientErrorTests(ProxyTestCase):
         self.assertNoTraceback()
 
     async def test_tls_garbage(self) -> None:
-        fake = await self.engine("openai", ["m"])
-        root = os.path.abspath(self.mktemp())
-        ClusterDir(os.path.join(root, "cluster")).init("local", reactor)  # type: ignore[arg-type]
-        config = evolve(
-            proxy_config(os.path.join(root, "state"), {"vllm": fake.url}),
-            cluster_dir=os.path.join(root, "cluster"),
-        )
-        proxy = await start_proxy(reactor, config)
-        self.addCleanup(proxy.stopService)
+        proxy = await tls_proxy(self)
         port = proxy.listeners["vllm"].bound_port()
         assert port is not None
         self.since = len(self.logged)

@@ -332,6 +332,23 @@ async def send_raw(port: int, payload: bytes) -> bytes:
     return await protocol.done
 
 
+async def tls_proxy(case: ProxyTestCase) -> Any:
+    """
+    A running nvproxy with a cluster identity (so its TLS personality is
+    on), its vLLM facade in front of a fake engine.
+    """
+    fake = await case.engine("openai", ["m"])
+    root = os.path.abspath(case.mktemp())
+    ClusterDir(os.path.join(root, "cluster")).init("local", reactor)  # type: ignore[arg-type]
+    config = evolve(
+        proxy_config(os.path.join(root, "state"), {"vllm": fake.url}),
+        cluster_dir=os.path.join(root, "cluster"),
+    )
+    proxy = await start_proxy(reactor, config)
+    case.addCleanup(proxy.stopService)
+    return proxy
+
+
 class FuzzCase(ProxyTestCase):
     timeout = 300
 
@@ -404,15 +421,7 @@ class ByteFuzzTests(FuzzCase):
         with a cluster identity (so the TLS personality is on).
         """
         payloads = draw(random_bytes, EXAMPLES)
-        fake = await self.engine("openai", ["m"])
-        root = os.path.abspath(self.mktemp())
-        ClusterDir(os.path.join(root, "cluster")).init("local", reactor)  # type: ignore[arg-type]
-        config = evolve(
-            proxy_config(os.path.join(root, "state"), {"vllm": fake.url}),
-            cluster_dir=os.path.join(root, "cluster"),
-        )
-        proxy = await start_proxy(reactor, config)
-        self.addCleanup(proxy.stopService)
+        proxy = await tls_proxy(self)
         self.assertIsNotNone(proxy.server_tls)
         port = proxy.listeners["vllm"].bound_port()
         assert port is not None
