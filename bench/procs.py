@@ -247,11 +247,13 @@ async def launch_proxy(
     node_id: str = "bench",
     cluster_dir: Path | None = None,
     facade_port: int | None = None,
+    extra_config: str = "",
 ) -> Proxy:
     """
     Start C{twistd -n nvproxy} as node C{node_id} in front of C{backend} and the
     direct C{nodes} (id -> Ollama URL), optionally a cluster member through
-    C{cluster_dir}; does not wait for it (see L{wait_ready}).
+    C{cluster_dir}; C{extra_config} is appended to its TOML (e.g. a
+    C{[limits]} table). Does not wait for it (see L{wait_ready}).
     """
     admin_port = free_port()
     if facade_port is None:
@@ -262,6 +264,7 @@ async def launch_proxy(
         _toml_config(
             admin_port, facade_port, backend, dict(nodes or {}), node_id, cluster_dir
         )
+        + extra_config
     )
     log = workdir / f"{name}.log"
     argv = [
