@@ -159,3 +159,55 @@ class RingTests(SynchronousTestCase):
         os.remove(self.path)
         self.clock.advance(1)
         self.assertEqual(ring.match(KEY_A), "svc-a")
+
+
+class KeysCommandTests(SynchronousTestCase):
+    """C{nvproxyctl keys add|list|remove}."""
+
+    def setUp(self) -> None:
+        self.path = self.mktemp()
+
+    def run_keys(self, *argv: str) -> tuple[int, str, str]:
+        import io
+
+        from nvproxy.ctl.keys import keys_command
+
+        out, err = io.StringIO(), io.StringIO()
+        code = keys_command([*argv, "--file", self.path], out, err=err, environ={})
+        return code, out.getvalue(), err.getvalue()
+
+    def test_add_prints_once_and_stores_the_hash(self) -> None:
+        code, out, err = self.run_keys("add", "svc-a")
+        self.assertEqual(code, 0)
+        key = out.strip()
+        self.assertRegex(key, r"^[A-Za-z0-9_-]{43,}$")
+        with open(self.path) as f:
+            text = f.read()
+        self.assertNotIn(key, text)
+        self.assertEqual(text, line("svc-a", key))
+        self.assertEqual(os.stat(self.path).st_mode & 0o777, 0o600)
+        self.assertNotIn(key, err)
+        ring = KeyRing(self.path, Clock())
+        self.assertEqual(ring.match(key), "svc-a")
+
+    def test_list_and_remove_keep_comments(self) -> None:
+        with open(self.path, "w") as f:
+            f.write("# keep me\n" + line("a", KEY_A) + line("b", KEY_B))
+        self.assertEqual(self.run_keys("list"), (0, "a\nb\n", ""))
+        code, _, err = self.run_keys("remove", "a")
+        self.assertEqual(code, 0)
+        with open(self.path) as f:
+            self.assertEqual(f.read(), "# keep me\n" + line("b", KEY_B))
+        self.assertEqual(self.run_keys("remove", "a")[0], 1)
+
+    def test_refusals(self) -> None:
+        self.assertEqual(self.run_keys("add", "a")[0], 0)
+        code, _, err = self.run_keys("add", "a")
+        self.assertEqual((code, err), (1, "nvproxyctl keys add: a already has a key\n"))
+        self.assertEqual(self.run_keys("add", "no spaces")[0], 2)
+        with open(self.path, "a") as f:
+            f.write("broken\n")
+        code, _, err = self.run_keys("add", "c")
+        self.assertEqual(code, 1)
+        self.assertIn("line 2: expected NAME sha256:HEX", err)
+        self.assertEqual(self.run_keys("list", "--bogus")[0], 2)
