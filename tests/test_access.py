@@ -56,7 +56,7 @@ from nvproxy.service import NvProxy, build
 from nvproxy.testing.fakecors import CorsPolicy
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
 from nvproxy.testing.fakevllm import FakeVLLM
-from nvproxy.testing.harness import facade_url, proxy_config, start_proxy
+from nvproxy.testing.harness import facade_url, free_port, proxy_config, start_proxy
 from tests.test_forwarding import ProxyTestCase
 
 _REFUSED = (ResponseNeverReceived, RequestTransmissionFailed)
@@ -708,3 +708,61 @@ class BackendKeyTests(AccessTestCase):
         self.assertFalse(text.is_sleeping)
         paths = {p.split("?")[0] for _, _, p in text.calls}
         self.assertTrue({"/sleep", "/wake_up", "/collective_rpc", "/health"} <= paths)
+
+
+class NetnsKeyTests(AccessTestCase):
+    """
+    A truly non-loopback caller (a network namespace, as in
+    L{tests.test_netns}): allowed in by C{plaintext_from}, it needs a key.
+    """
+
+    async def test_network_caller_needs_a_key(self) -> None:
+        from tests.test_netns import HOST_ADDRESS, NetnsTests
+
+        namespace = await NetnsTests.namespace(self)
+        fake = await self.engine("ollama", ["m:latest"])
+        keys = self.keys_file(**{"lan-svc": KEY})
+        config = proxy_config(self.mktemp(), {"ollama": fake.url})
+        engines = dict(config.engines)
+        port = free_port()
+        engines["ollama"] = evolve(engines["ollama"], port=port)
+        access = AccessConfig(
+            plaintext_from=(*ALL_LOOPBACK, ipaddress.ip_network("10.213.7.0/24")),
+            api_keys_file=keys,
+        )
+        proxy = await start_proxy(
+            reactor,
+            evolve(config, engines=engines, listen_interface="0.0.0.0", access=access),
+        )
+        self.addCleanup(proxy.stopService)
+        probe = textwrap.dedent(
+            f"""
+            import socket, sys
+            def ask(extra):
+                s = socket.create_connection(("{HOST_ADDRESS}", {port}), timeout=10)
+                s.sendall(b"GET /api/tags HTTP/1.1\\r\\nHost: x\\r\\n" + extra
+                          + b"Connection: close\\r\\n\\r\\n")
+                data = b""
+                while True:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                return data.split(b" ", 2)[1].decode()
+            print(ask(b""), ask(b"Authorization: Bearer {KEY}\\r\\n"))
+            """
+        )
+        d = getProcessOutputAndValue(
+            "/usr/sbin/ip",
+            ["netns", "exec", namespace, sys.executable, "-c", probe],
+            env=dict(os.environ),
+        )
+        d.addTimeout(30, reactor)
+        out, err, code = await d
+        self.assertEqual(code, 0, err.decode())
+        self.assertEqual(out.split(), [b"401", b"200"])
+        # Loopback callers need none (require_key_on_loopback is false).
+        code, _, _ = await self.client.request(
+            "GET", f"http://127.0.0.1:{port}/api/tags"
+        )
+        self.assertEqual(code, 200)
