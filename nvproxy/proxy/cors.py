@@ -276,18 +276,28 @@ class Reply:
 
 
 class _Collect(Protocol):
-    def __init__(self, done: Deferred[bytes | None]) -> None:
-        self._done = done
+    """
+    Reads one whole answer into C{done} (L{None} past L{BODY_LIMIT});
+    cancelling C{done} stops reading.
+    """
+
+    def __init__(self) -> None:
+        self.done: Deferred[bytes | None] = Deferred(lambda _: self._stop())
+        self._done = self.done
         self._parts: list[bytes] = []
         self._size = 0
 
+    def _stop(self) -> None:
+        if self.transport is not None:
+            self.transport.stopProducing()  # type: ignore[attr-defined]
+
     def dataReceived(self, data: bytes) -> None:
+        if self._done.called:
+            return
         self._size += len(data)
         if self._size > BODY_LIMIT:
-            if not self._done.called:
-                self._done.callback(None)
-            if self.transport is not None:
-                self.transport.stopProducing()  # type: ignore[attr-defined]
+            self._done.callback(None)
+            self._stop()
             return
         self._parts.append(data)
 
@@ -304,9 +314,9 @@ async def _exchange(
     agent: IAgent, method: bytes, url: bytes, headers: Headers, node_id: str
 ) -> Reply:
     response: IResponse = await agent.request(method, url, headers, None)
-    done: Deferred[bytes | None] = Deferred()
-    response.deliverBody(_Collect(done))
-    body = await done
+    collect = _Collect()
+    response.deliverBody(collect)
+    body = await collect.done
     return Reply(node_id, response.code, response.phrase, response.headers, body)
 
 
