@@ -51,7 +51,7 @@ from nvproxy.metrics import Metrics
 from nvproxy.ops import Operations, effective_engine
 from nvproxy.outliers import EjectionPolicy, OutlierTable
 from nvproxy.ports import PortStore, SelectionStore
-from nvproxy.proxy.access import KeyPolicy, NetworkGate
+from nvproxy.proxy.access import KeyPolicy, NetworkGate, access_warnings
 from nvproxy.proxy.attempt import AttemptSettings
 from nvproxy.proxy.backendauth import BackendKeyError, read_backend_key
 from nvproxy.proxy.backends import Backend, HttpBackend, VllmBackend
@@ -360,7 +360,10 @@ class NvProxy(MultiService):
             inventory=self.inventory_client,
             keys=self.key_policies.get(engine.id),
         )
-        gate = NetworkGate(engine_config.access_in(self.config).plaintext_from)
+        access = engine_config.access_in(self.config)
+        gate = NetworkGate(access.plaintext_from)
+        for warning in access_warnings(access, self.config.listen_interface):
+            log.warn("{engine} facade: {warning}", engine=engine.id, warning=warning)
         peer = None
         if self.server_tls is not None:
             peer = PeerFacade(parts, peer_of=self._peer_of)

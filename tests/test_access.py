@@ -28,6 +28,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.task import deferLater
 from twisted.internet.utils import getProcessOutputAndValue
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import (
     Agent,
@@ -50,7 +51,7 @@ from nvproxy.config import (
 )
 from nvproxy.keyring import hash_key
 from nvproxy.net import is_loopback
-from nvproxy.proxy.access import NetworkGate
+from nvproxy.proxy.access import NetworkGate, access_warnings
 from nvproxy.proxy.backendauth import BackendKeyError, KeyedAgent, read_backend_key
 from nvproxy.service import NvProxy, build
 from nvproxy.testing.fakecors import CorsPolicy
@@ -119,6 +120,23 @@ class NetworkGateTests(SynchronousTestCase):
         gate = NetworkGate([ipaddress.ip_network("0.0.0.0/0")])
         self.assertFalse(gate(UNIXAddress(b"/tmp/s")))
         self.assertFalse(gate(IPv4Address("TCP", "localhost", 1)))
+
+    def test_warnings(self) -> None:
+        wide = (*ALL_LOOPBACK, ipaddress.ip_network("10.0.0.0/8"))
+        self.assertEqual(access_warnings(AccessConfig(), "0.0.0.0"), [])
+        self.assertEqual(
+            access_warnings(AccessConfig(plaintext_from=wide), "127.0.0.1"),
+            [
+                "plaintext_from allows 10.0.0.0/8 but the facade listens on"
+                " 127.0.0.1: only loopback callers can reach it"
+            ],
+        )
+        self.assertEqual(
+            access_warnings(AccessConfig(plaintext_from=wide), "0.0.0.0"),
+            ["plaintext HTTP from 10.0.0.0/8 without API keys"],
+        )
+        keyed = AccessConfig(plaintext_from=wide, api_keys_file="/k")
+        self.assertEqual(access_warnings(keyed, "::"), [])
 
     def test_parse_network(self) -> None:
         self.assertEqual(str(parse_network(" 10.0.0.0/8 ")), "10.0.0.0/8")
@@ -477,7 +495,14 @@ class KeyTests(AccessTestCase):
 
     async def test_key_accepted_consumed_and_named(self) -> None:
         fake, proxy, url = await self.start(require_key_on_loopback=True)
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
         http = self.from_source()
+        code, _, _ = await self.call(
+            http, "POST", url + "/v1/chat/completions", CHAT, {"x-api-key": [KEY[:-1]]}
+        )
+        self.assertEqual(code, 401)
         for headers in (
             {"Authorization": ["Bearer " + KEY]},
             {"x-api-key": [OTHER]},
@@ -504,6 +529,27 @@ class KeyTests(AccessTestCase):
         self.assertNotIn(KEY, text)
         self.assertNotIn(hash_key(KEY).hex(), text)
         self.assertNotIn(KEY, json.dumps(recent))
+        logged = " ".join(formatEvent(e) + repr(e) for e in events)
+        self.assertIn("no valid API key", logged)
+        self.assertNotIn(KEY[:-1], logged)
+        self.assertNotIn(OTHER, logged)
+
+    async def test_ollama_dialect(self) -> None:
+        fake = await self.engine("ollama", ["m:latest"])
+        keys = self.keys_file(**{"svc-a": KEY})
+        proxy = await self.keyed_proxy(
+            {"ollama": fake.url},
+            AccessConfig(api_keys_file=keys, require_key_on_loopback=True),
+        )
+        code, headers, body = await self.client.request(
+            "GET", facade_url(proxy, "ollama") + "/api/tags"
+        )
+        self.assertEqual(code, 401)
+        self.assertEqual(headers.getRawHeaders("www-authenticate"), ["Bearer"])
+        self.assertEqual(
+            json.loads(body),
+            {"error": "a valid API key is required (Authorization: Bearer KEY)"},
+        )
 
     async def test_loopback_without_key_when_not_required(self) -> None:
         fake, proxy, url = await self.start()

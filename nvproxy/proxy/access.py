@@ -37,10 +37,10 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET
 from zope.interface import Attribute, Interface, implementer
 
-from nvproxy.config import IPNetwork
+from nvproxy.config import AccessConfig, IPNetwork
 from nvproxy.jsonhttp import write_json
 from nvproxy.keyring import KeyRing
-from nvproxy.net import ip_of, is_loopback
+from nvproxy.net import ip_of, is_loopback, is_loopback_host
 from nvproxy.proxy.cors import is_preflight
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "KeyGate",
     "KeyPolicy",
     "NetworkGate",
+    "access_warnings",
     "caller_key",
 ]
 
@@ -207,3 +208,26 @@ class KeyGate(Resource):
         )
         write_json(request, 401, body)
         return NOT_DONE_YET
+
+
+def access_warnings(access: AccessConfig, interface: str) -> list[str]:
+    """
+    What an operator should hear about a facade's access rules at start:
+    networks that cannot reach a loopback listener, and a network opened
+    without keys.
+    """
+    outside = [str(net) for net in access.plaintext_from if not _loopback(net)]
+    if not outside:
+        return []
+    if is_loopback_host(interface):
+        return [
+            f"plaintext_from allows {', '.join(outside)} but the facade listens"
+            f" on {interface}: only loopback callers can reach it"
+        ]
+    if access.api_keys_file is None:
+        return [f"plaintext HTTP from {', '.join(outside)} without API keys"]
+    return []
+
+
+def _loopback(network: IPNetwork) -> bool:
+    return network.network_address.is_loopback and network.broadcast_address.is_loopback
