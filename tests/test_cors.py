@@ -318,7 +318,9 @@ class BrowserPolicyTests(AccessTestCase):
             {"access-control-allow-origin": [ORIGIN], "vary": ["Origin"]},
         )
         for fake in fakes:
-            self.assertNotIn("cookie", fake.requests[-1].headers)
+            asked_here = [r for r in fake.requests if "origin" in r.headers]
+            self.assertEqual(asked_here[-1].headers["origin"], ORIGIN)
+            self.assertNotIn("cookie", asked_here[-1].headers)
         # One engine denies this origin: 403, no CORS header.
         code, headers, body = await self.client.request(
             "GET", url + "/v1/models", headers={"Origin": ["http://x.example"]}
