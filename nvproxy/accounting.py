@@ -62,10 +62,12 @@ class Accounting:
         model: str | None,
         kind: RouteKind,
         awake: Awake | None = None,
+        requester: str | None = None,
     ) -> RequestAccounting:
         """
         One request's accounting; C{awake} (the facade backend's readiness)
-        orders awake owners first.
+        orders awake owners first; C{requester} is the name of the API key
+        the request came with.
         """
         inference = kind is RouteKind.INFERENCE and model is not None
         return RequestAccounting(
@@ -73,8 +75,10 @@ class Accounting:
             engine,
             model,
             awake,
-            self.metrics.observer(self.clock, engine.id, kind.value),
-            self.recorder.begin(engine.id, model) if inference and model else None,
+            self.metrics.observer(self.clock, engine.id, kind.value, requester),
+            self.recorder.begin(engine.id, model, requester_id=requester)
+            if inference and model
+            else None,
             ReservationTracker(self.reservations) if inference else None,
             StatsMeter(self.clock, engine.stream_dialect) if inference else None,
         )

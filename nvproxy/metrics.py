@@ -99,8 +99,8 @@ class Metrics:
         self.registry = registry
         self.requests = Counter(
             "nvproxy_requests",
-            "Requests finished, by engine, route class and outcome",
-            ["engine", "route", "outcome"],
+            "Requests finished, by engine, route class, outcome and API key name",
+            ["engine", "route", "outcome", "key"],
             registry=registry,
         )
         self.attempts = Counter(
@@ -146,8 +146,10 @@ class Metrics:
         if outliers is not None:
             registry.register(_Ejections(outliers))
 
-    def observer(self, clock: IReactorTime, engine: str, route: str) -> RequestMetrics:
-        return RequestMetrics(self, clock, engine, route)
+    def observer(
+        self, clock: IReactorTime, engine: str, route: str, key: str | None = None
+    ) -> RequestMetrics:
+        return RequestMetrics(self, clock, engine, route, key)
 
 
 class RequestMetrics:
@@ -156,9 +158,15 @@ class RequestMetrics:
     """
 
     def __init__(
-        self, metrics: Metrics, clock: IReactorTime, engine: str, route: str
+        self,
+        metrics: Metrics,
+        clock: IReactorTime,
+        engine: str,
+        route: str,
+        key: str | None = None,
     ) -> None:
         self._metrics = metrics
+        self._key = key or ""
         self._clock = clock
         self._engine = engine
         self._route = route
@@ -191,6 +199,6 @@ class RequestMetrics:
         # A committed stream cut short is its own outcome (its workload
         # state stays "completed", spec §1.1).
         label = "truncated" if outcome.reason == "truncated" else outcome.state
-        metrics.requests.labels(self._engine, self._route, label).inc()
+        metrics.requests.labels(self._engine, self._route, label, self._key).inc()
         elapsed = self._clock.seconds() - self._started
         metrics.duration.labels(self._engine).observe(elapsed)

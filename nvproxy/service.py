@@ -46,11 +46,14 @@ from nvproxy.control import ControlLink
 from nvproxy.discovery import Discovery, Endpoint, PollingDiscovery
 from nvproxy.dispatch import Dispatcher
 from nvproxy.engines import ENGINES, Engine
+from nvproxy.keyring import KeyFileError, KeyRing
 from nvproxy.metrics import Metrics
 from nvproxy.ops import Operations, effective_engine
 from nvproxy.outliers import EjectionPolicy, OutlierTable
 from nvproxy.ports import PortStore, SelectionStore
+from nvproxy.proxy.access import KeyPolicy, NetworkGate, access_warnings
 from nvproxy.proxy.attempt import AttemptSettings
+from nvproxy.proxy.backendauth import BackendKeyError, read_backend_key
 from nvproxy.proxy.backends import Backend, HttpBackend, VllmBackend
 from nvproxy.proxy.facade import Facade, FacadeParts, PeerFacade, personalities
 from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
@@ -134,8 +137,13 @@ class NvProxy(MultiService):
         }
         config = evolve(config, engines=self.engine_configs)
         self.config = config
+        # Who may call each facade (DESIGN §3a); a bad keys file stops us.
+        self.key_policies = _key_policies(config, reactor)
         self.upstream = Upstream(
-            reactor, config.dispatch.dial_timeout, tls_for=self._peer_tls
+            reactor,
+            config.dispatch.dial_timeout,
+            tls_for=self._peer_tls,
+            backend_keys=_backend_keys(config, node_id),
         )
         self.discovery = Discovery()
         vllm_config = config.engines["vllm"]
@@ -326,11 +334,13 @@ class NvProxy(MultiService):
             return VllmBackend(engine, self.discovery, self.node_id, local, self.vllm)
         return HttpBackend(engine, self.discovery, self.node_id, local)
 
-    def _facade_factory(self, site: IProtocolFactory) -> IProtocolFactory:
+    def _facade_factory(
+        self, site: IProtocolFactory, gate: NetworkGate
+    ) -> IProtocolFactory:
         tls = None
         if self.server_tls is not None:
             tls = tls_personality(self.server_tls, site, self.reactor)
-        return DemuxFactory(site, tls, self.reactor)
+        return DemuxFactory(site, tls, self.reactor, allow_plaintext_from=gate)
 
     def _add_facade(self, engine_config: EngineConfig) -> None:
         engine = ENGINES[engine_config.id]
@@ -345,8 +355,15 @@ class NvProxy(MultiService):
         )
         parts = FacadeParts(backend, self.dispatcher, self.accounting, settings)
         facade = Facade(
-            parts, discovery=self.discovery, inventory=self.inventory_client
+            parts,
+            discovery=self.discovery,
+            inventory=self.inventory_client,
+            keys=self.key_policies.get(engine.id),
         )
+        access = engine_config.access_in(self.config)
+        gate = NetworkGate(access.plaintext_from)
+        for warning in access_warnings(access, self.config.listen_interface):
+            log.warn("{engine} facade: {warning}", engine=engine.id, warning=warning)
         peer = None
         if self.server_tls is not None:
             peer = PeerFacade(parts, peer_of=self._peer_of)
@@ -365,7 +382,7 @@ class NvProxy(MultiService):
             f"{engine.name} facade",
             self.config.listen_interface,
             port,
-            self._facade_factory(site),
+            self._facade_factory(site, gate),
         )
         listener.setServiceParent(self)  # type: ignore[no-untyped-call]
         for host, alias_port in engine_config.aliases:
@@ -376,7 +393,7 @@ class NvProxy(MultiService):
                 f"{engine.name} alias",
                 host,
                 alias_port,
-                DemuxFactory(site, None, self.reactor),
+                DemuxFactory(site, None, self.reactor, allow_plaintext_from=gate),
                 optional=True,
             )
             alias.setServiceParent(self)  # type: ignore[no-untyped-call]
@@ -441,6 +458,59 @@ class NvProxy(MultiService):
         if self.config.admin_enabled:
             listeners.append(self.admin)
         return DeferredList([listener.ready for listener in listeners])
+
+
+def _key_policies(config: Config, clock: Any) -> dict[str, KeyPolicy]:
+    """
+    Each engine's API-key rules, one L{KeyRing} per keys file.
+
+    @raise ConfigError: a keys file cannot be used.
+    """
+    rings: dict[str, KeyRing] = {}
+    policies: dict[str, KeyPolicy] = {}
+    for engine_id, engine_config in config.engines.items():
+        access = engine_config.access_in(config)
+        path = access.api_keys_file
+        if path is None:
+            continue
+        if path not in rings:
+            key = "access.api_keys_file"
+            if engine_config.access.api_keys_file is not None:
+                key = f"engines.{engine_id}.{key}"
+            try:
+                rings[path] = KeyRing(path, clock)
+            except KeyFileError as e:
+                raise ConfigError(key, str(e)) from None
+        policies[engine_id] = KeyPolicy(
+            rings[path],
+            require_on_loopback=access.require_key_on_loopback,
+            max_concurrent=access.max_concurrent_per_key,
+        )
+    return policies
+
+
+def _backend_keys(config: Config, node_id: str) -> dict[str, str]:
+    """
+    Engine base URL -> the key that engine wants (this node's engines and
+    direct nodes'; never a peer's facade).
+
+    @raise ConfigError: a key file cannot be used.
+    """
+    keys: dict[str, str] = {}
+    for engine_id, engine_config in config.engines.items():
+        path = engine_config.backend_api_key_file
+        if path is None or not engine_config.enabled:
+            continue
+        try:
+            key = read_backend_key(path)
+        except BackendKeyError as e:
+            raise ConfigError(
+                f"engines.{engine_id}.backend_api_key_file", str(e)
+            ) from None
+        for endpoint in local_endpoints(config, node_id):
+            if endpoint.engine == engine_id:
+                keys[endpoint.base_url] = key
+    return keys
 
 
 def _client_limits(limits: LimitsConfig) -> ClientLimits:

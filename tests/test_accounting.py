@@ -209,7 +209,7 @@ class WorkloadTests(MemoryProxyTestCase):
         self.assertEqual(code, 200)
         text = body.decode()
         requests = (
-            'nvproxy_requests_total{engine="vllm",outcome="completed",'
+            'nvproxy_requests_total{engine="vllm",key="",outcome="completed",'
             'route="inference"} 1.0'
         )
         self.assertIn(requests, text)

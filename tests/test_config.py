@@ -1470,6 +1470,11 @@ class SettingsTableTests(LoadTestsMixin):
         "eject-max": ("1m", 'dispatch.eject_max = "1m"'),
         "cluster-dir": ("/c", 'cluster.dir = "/c"'),
         "control-max-line": ("64KiB", 'control.max_line = "64KiB"'),
+        "plaintext-from": (
+            "10.0.0.0/8, fd00::/8",
+            'access.plaintext_from = ["10.0.0.0/8", "fd00::/8"]',
+        ),
+        "api-keys-file": ("/k", 'access.api_keys_file = "/k"'),
     }
 
     def test_flag_env_and_file_agree(self) -> None:
@@ -1536,6 +1541,9 @@ class SettingsTableTests(LoadTestsMixin):
                 "limits.max_header_bytes": "64KiB",
                 "limits.max_header_count": "100",
                 "workloads.log": "none",
+                "access.plaintext_from": "127.0.0.0/8, ::1/128",
+                "access.require_key_on_loopback": "false",
+                "access.max_concurrent_per_key": "0",
             },
         )
         self.assertEqual(self.load().dispatch.policy, DispatchPolicy())

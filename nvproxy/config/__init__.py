@@ -29,6 +29,13 @@ L{_settings} (the table), L{_load} (the walk and cross-setting checks),
 L{_node} (this node's id), L{_options} (twistd).
 """
 
+from nvproxy.config._access import (
+    LOOPBACK_NETWORKS,
+    AccessConfig,
+    AccessOverride,
+    IPNetwork,
+    parse_network,
+)
 from nvproxy.config._load import SYSTEM_STATE_DIR, default_state_dir, load_config
 from nvproxy.config._node import (
     NODE_ID_FILE,
@@ -73,17 +80,21 @@ from nvproxy.config._values import (
 
 __all__ = [
     "FLAG_NAMES",
+    "LOOPBACK_NETWORKS",
     "NAME_PATTERN",
     "NODE_ID_FILE",
     "NODE_ID_PATTERN",
     "SYSTEM_STATE_DIR",
     "TOP",
+    "AccessConfig",
+    "AccessOverride",
     "Config",
     "ConfigError",
     "ConfigErrors",
     "Control",
     "DispatchConfig",
     "EngineConfig",
+    "IPNetwork",
     "LimitsConfig",
     "LogFormat",
     "LogLevelName",
@@ -104,6 +115,7 @@ __all__ = [
     "node_id_from_hostname",
     "node_id_problem",
     "parse_duration",
+    "parse_network",
     "parse_size",
     "reference_keys",
     "resolve_node_id",

@@ -20,6 +20,7 @@ from typing import Any, Final
 import attrs
 from attrs import evolve, frozen
 
+from nvproxy.config._access import NETWORKS
 from nvproxy.config._parse import (
     BACKOFF,
     BOOL,
@@ -143,6 +144,35 @@ def _admin_switch(config: Config, listen: tuple[str, int] | None) -> Config:
     return evolve(config, admin_listen=listen, admin_enabled=True)
 
 
+_ACCESS: Final = (
+    Setting(
+        "access.plaintext_from",
+        NETWORKS,
+        "Source networks (CIDR) allowed plaintext HTTP; others are refused"
+        " before a byte is read.",
+        flag="plaintext-from",
+    ),
+    Setting(
+        "access.api_keys_file",
+        PATH,
+        "API keys (NAME sha256:HEX per line); when set, non-loopback callers"
+        " must present one.",
+        flag="api-keys-file",
+        default="none (no keys)",
+    ),
+    Setting(
+        "access.require_key_on_loopback",
+        BOOL,
+        "Loopback callers must present a key too.",
+    ),
+    Setting(
+        "access.max_concurrent_per_key",
+        integer(0),
+        "Requests one key may have in flight; 429 beyond; 0 is unlimited.",
+    ),
+)
+"""The C{[access]} settings; each also in C{[engines.E.access]}."""
+
 _HOLD = "How long a request waits for a service waking from {}."
 
 SERVICE: Final = Section(
@@ -207,6 +237,22 @@ ENGINE: Final = Section(
             duration(zero=True),
             "Trust in the last look at an awake service while its state polls fail.",
             only="vllm",
+        ),
+        Setting(
+            "backend_api_key_file",
+            PATH,
+            "A file holding the key this engine wants, sent as"
+            " Authorization: Bearer on every request to it.",
+        ),
+        *(
+            Setting(
+                setting.key,
+                setting.parser,
+                setting.help,
+                default="as in [access]",
+            )
+            for setting in _ACCESS
+            if setting.key is not None
         ),
         Setting(
             "services",
@@ -408,6 +454,7 @@ TOP: Final = Section(
             "Append every workload lifecycle event to this file as a JSON line.",
             into="workload_log",
         ),
+        *_ACCESS,
         Setting(
             "engines", None, "One table per engine (engines.ENGINE).", entries=ENGINE
         ),

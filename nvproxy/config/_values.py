@@ -12,6 +12,7 @@ from typing import Literal
 
 from attrs import field, frozen
 
+from nvproxy.config._access import AccessConfig, AccessOverride
 from nvproxy.dispatch import DispatchPolicy
 from nvproxy.engines import ENGINES
 
@@ -125,6 +126,9 @@ class EngineConfig:
     @ivar hold: vLLM wake hold deadlines (vLLM only).
     @ivar state_ttl: how long the last look at a vLLM service that found it
         awake is trusted while its state polls fail (vLLM only).
+    @ivar access: this facade's C{[engines.E.access]} over C{[access]}.
+    @ivar backend_api_key_file: a file holding the key this engine wants
+        (sent upstream as C{Authorization: Bearer}).
     """
 
     id: str
@@ -136,6 +140,8 @@ class EngineConfig:
     services: tuple[VllmServiceConfig, ...] = ()
     hold: VllmHold = VllmHold()
     state_ttl: float = 10.0
+    access: AccessOverride = field(factory=AccessOverride)
+    backend_api_key_file: str | None = None
 
     @property
     def facade_port(self) -> int:
@@ -144,6 +150,10 @@ class EngineConfig:
         default.
         """
         return self.port or ENGINES[self.id].standalone_port
+
+    def access_in(self, config: Config) -> AccessConfig:
+        """This facade's access rules in effect under C{config}."""
+        return self.access.over(config.access)
 
 
 @frozen
@@ -170,6 +180,7 @@ class Config:
         bytes; a longer one is answered with an error and discarded.
     @ivar listen_interface: the address facades listen on.
     @ivar config_path: the TOML file read, if any.
+    @ivar access: the C{[access]} rules of every facade without its own.
     """
 
     state_dir: str
@@ -188,4 +199,5 @@ class Config:
     control_max_line: int = 2**20
     listen_interface: str = "127.0.0.1"
     workload_log: str | None = None
+    access: AccessConfig = field(factory=AccessConfig)
     config_path: str | None = field(default=None, eq=False)

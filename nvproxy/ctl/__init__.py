@@ -9,6 +9,7 @@ cluster dir.
     nvproxyctl set-port ENGINE PORT
     nvproxyctl select ENGINE NODE | nvproxyctl select ENGINE --clear
     nvproxyctl cluster init|fingerprint|add-peer|remove-peer|list ...
+    nvproxyctl keys add|list|remove ...
 
 The admin commands are HTTP calls to a running daemon; the C{cluster} commands
 (L{nvproxy.ctl.cluster}) edit the cluster dir directly.
@@ -61,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     workloads.add_argument("--limit", type=int, default=20)
     cluster = sub.add_parser("cluster", help="cluster identity and peers")
     cluster.add_argument("args", nargs=argparse.REMAINDER)
+    keys = sub.add_parser("keys", help="API keys: add NAME, list, remove NAME")
+    keys.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -130,6 +133,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
 
         # File work, nothing runs on the reactor: it is only the clock.
         return cluster_command(list(args.args), out, clock=cast(IReactorTime, reactor))
+    if args.command == "keys":
+        from nvproxy.ctl.keys import keys_command
+
+        return keys_command(list(args.args), out, err=sys.stderr)
     try:
         method, path, body = _request(args)
     except CtlError as e:

@@ -39,6 +39,7 @@ from nvproxy.dispatch import Dispatcher, JobOutcome, RejectReason, Target
 from nvproxy.engines import RouteKind
 from nvproxy.jsonhttp import write_json
 from nvproxy.logs import clip
+from nvproxy.proxy.access import KeyGate, KeyPolicy, caller_key
 from nvproxy.proxy.attempt import AttemptSettings, HttpTarget, UpstreamRequest
 from nvproxy.proxy.backends import Answered, Backend, Refused
 from nvproxy.proxy.bodies import (
@@ -48,6 +49,7 @@ from nvproxy.proxy.bodies import (
     model_from_multipart,
 )
 from nvproxy.proxy.client import ClientSide
+from nvproxy.proxy.cors import is_preflight, origin_inventory, preflight
 from nvproxy.proxy.pathnorm import is_hidden, normalize_path
 from nvproxy.proxy.urlgate import TextURLGate
 
@@ -250,13 +252,30 @@ class Facade(_Front):
     """
 
     def __init__(
-        self, parts: FacadeParts, *, discovery: Discovery, inventory: InventoryClient
+        self,
+        parts: FacadeParts,
+        *,
+        discovery: Discovery,
+        inventory: InventoryClient,
+        keys: KeyPolicy | None = None,
     ) -> None:
         super().__init__(parts)
         self._discovery = discovery
         self._inventory_client = inventory
+        self._keys = keys
+
+    def resource(self) -> Any:
+        resource = super().resource()
+        if self._keys is None:
+            return resource
+        # API keys (DESIGN §3a) in front of everything the caller reaches.
+        return KeyGate(resource, self._keys, self.engine.error_body, self.engine.id)
 
     def _route(self, request: Any) -> Any:
+        if is_preflight(request):
+            # §5.8: every candidate's answer, intersected; no reservation,
+            # no workload, no credentials forwarded.
+            return self._preflight(request)
         text = request.path.decode("utf-8", "replace")
         kind = self.engine.classify(request.method, text)
         if kind is RouteKind.INVENTORY:
@@ -276,7 +295,7 @@ class Facade(_Front):
             return None
         model, upstream = prepared
         accounting = self._accounting.begin(
-            self.engine, model, kind, self.backend.is_awake
+            self.engine, model, kind, self.backend.is_awake, caller_key(request)
         )
         # (The dispatcher resolves a non-inference request once, §5.1.)
         resolver = self._resolver(model, upstream, client, accounting)
@@ -348,6 +367,21 @@ class Facade(_Front):
 
         return resolve
 
+    def _preflight(self, request: Any) -> Deferred[None]:
+        endpoints = []
+        for entry in self._discovery.current.nodes(self.engine.id):
+            endpoint = self.backend.modelless_endpoint(entry)
+            if endpoint is not None:
+                endpoints.append(endpoint)
+        return preflight(
+            request,
+            endpoints,
+            self._settings.agent,
+            self._settings.clock,
+            self.engine.error_body,
+            self.engine.id,
+        )
+
     # -- inventory --------------------------------------------------------
 
     def _inventory(self, request: Any, path: str) -> Deferred[None]:
@@ -361,6 +395,18 @@ class Facade(_Front):
         ]
         own = backend.local_inventory()
         local = [] if own is None else [own]
+        if request.requestHeaders.hasHeader(b"origin"):
+            # §5.8: a browser's inventory needs every engine's agreement.
+            return origin_inventory(
+                request,
+                endpoints,
+                local,
+                listing,
+                self._settings.agent,
+                self._settings.clock,
+                self.engine.error_body,
+                self.engine.id,
+            )
 
         async def ask(endpoint: Endpoint) -> object:
             url = endpoint.base_url.rstrip("/") + listing.path

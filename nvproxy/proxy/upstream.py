@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 import treq
@@ -44,10 +44,11 @@ from twisted.web.client import (
     _HTTP11ClientFactory,
 )
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer
+from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer
 from zope.interface import implementer
 
 from nvproxy.discovery import InventoryClient
+from nvproxy.proxy.backendauth import KeyedAgent
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
 HOP_BY_HOP = frozenset(
@@ -377,6 +378,9 @@ class ProxyPool(HTTPConnectionPool):
 class Upstream:
     """
     The shared pool, the data-path agent and the control-path treq client.
+
+    @param backend_keys: engine base URL -> the key it wants (see
+        L{nvproxy.proxy.backendauth}).
     """
 
     def __init__(
@@ -386,14 +390,18 @@ class Upstream:
         tls_for: Callable[[str, int], IOpenSSLClientConnectionCreator | None]
         | None = None,
         max_per_host: int = 256,
+        backend_keys: Mapping[str, str] | None = None,
     ) -> None:
         self.pool = ProxyPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
         self.pool.cachedConnectionTimeout = 120
         self.pool._factory = _QuietClientFactory
-        self.agent = Agent.usingEndpointFactory(
+        self.agent: IAgent = Agent.usingEndpointFactory(
             reactor, EndpointFactory(reactor, dial_timeout, tls_for), self.pool
         )
+        if backend_keys:
+            # Engines that want a key get it on every request to them.
+            self.agent = KeyedAgent(self.agent, backend_keys)
         self.treq = HTTPClient(self.agent)
         self.cooperator = Cooperator(scheduler=lambda f: reactor.callLater(0, f))
 

@@ -59,6 +59,7 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from nvproxy.testing import _fakedialects as dialects
+from nvproxy.testing.fakecors import CorsPolicy
 
 __all__ = ["Behaviour", "Dialect", "FakeEngine", "RecordedRequest", "main"]
 
@@ -242,6 +243,7 @@ class _Exchange:
             extra.setdefault(name.lower(), []).append(value)
         for name, values in extra.items():  # replaces, e.g. Content-Type
             request.responseHeaders.setRawHeaders(name, values)
+        self._engine._cors_headers(request)
         self._parts = parts
         if b.headers_then_silence or b.first_chunk_delay > 0:
             out.write(b"")  # flushes the status line and headers
@@ -331,6 +333,8 @@ class FakeEngine:
     @ivar models: the advertised models; tests may change it at any time.
     @ivar default: the behaviour of inference requests when nothing is scripted.
     @ivar requests: every request received, in order.
+    @ivar cors: the engine's CORS policy; L{None} (the default) sends no
+        CORS header and treats a preflight as any other C{OPTIONS}.
     """
 
     def __init__(
@@ -346,6 +350,7 @@ class FakeEngine:
         self.clock = clock
         self.default = Behaviour()
         self.requests: list[RecordedRequest] = []
+        self.cors: CorsPolicy | None = None
         self._routes = dialects.ROUTES[dialect]
         self._queue: deque[Behaviour] = deque()
         self._by_path: dict[str, deque[Behaviour]] = {}
@@ -461,7 +466,41 @@ class FakeEngine:
             return self._queue.popleft() if self._queue else self.default
         return _PLAIN
 
+    def _cors_headers(self, request: Request) -> None:
+        origin = request.requestHeaders.getRawHeaders(b"origin")
+        if self.cors is None or not origin:
+            return
+        for name, value in self.cors.simple(origin[0].decode("latin-1")):
+            request.responseHeaders.addRawHeader(name, value)
+
+    def _preflight(self, request: Request) -> bool:
+        """Answer a CORS preflight by L{cors}, if it is one."""
+        headers = request.requestHeaders
+        origin = headers.getRawHeaders(b"origin")
+        if (
+            self.cors is None
+            or request.method != b"OPTIONS"
+            or not origin
+            or not headers.hasHeader(b"access-control-request-method")
+        ):
+            return False
+        asked = headers.getRawHeaders(b"access-control-request-headers")
+        status, pairs, body = self.cors.preflight(
+            origin[0].decode("latin-1"), asked[0].decode("latin-1") if asked else None
+        )
+        self.requests.append(_record(request, b"", None, self.clock.seconds(), _PLAIN))
+        out = cast(_Writer, request)
+        out.setResponseCode(status)
+        for name, value in pairs:
+            request.responseHeaders.addRawHeader(name, value)
+        out.setHeader(b"Content-Length", b"%d" % len(body))
+        out.write(body)
+        out.finish()
+        return True
+
     def _handle(self, request: Request) -> None:
+        if self._preflight(request):
+            return
         content = request.content
         raw = content.read() if content is not None else b""
         method = request.method.decode("ascii")

@@ -282,6 +282,8 @@ class FakeVLLM:
       ``{"/is_sleeping": 503}`` or ``{"/health": 0}``.
     * ``sleep_state_gauge``: ``/metrics`` has the ``vllm:engine_sleep_state``
       gauge (False: an older vLLM without it).
+    * ``api_key``: every request must carry ``Authorization: Bearer KEY``
+      (``vllm serve --api-key``), else it is answered 401.
 
     Sleeping or waking it behind a proxy's back (as ``vllmctl`` or a cron
     job on its own port would): call its ``/sleep`` and ``/wake_up`` routes
@@ -306,6 +308,7 @@ class FakeVLLM:
     rpc_latency: float = 0.0
     answer_instead: dict[str, int] = attrs.field(factory=dict)
     sleep_state_gauge: bool = True
+    api_key: str | None = None
 
     calls: list[tuple[float, str, str]] = attrs.field(factory=list, init=False)
     """Every request received: (clock time, method, path with query)."""
@@ -489,6 +492,11 @@ class FakeVLLM:
         exchange = _Exchange.watch(request)
         self._exchanges = [e for e in self._exchanges if e.open]
         self._exchanges.append(exchange)
+        if self.api_key is not None:
+            presented = request.requestHeaders.getRawHeaders(b"authorization", [b""])
+            if presented[0] != b"Bearer " + self.api_key.encode():
+                exchange.json(401, {"error": "Unauthorized"})
+                return NOT_DONE_YET
         if self._state is EngineState.DOWN:
             if self.down_mode == "503":
                 exchange.json(503, {"detail": "Service Unavailable"})
