@@ -209,6 +209,13 @@ ENGINE: Final = Section(
             only="vllm",
         ),
         Setting(
+            "retry_after",
+            choice("depth", "estimate"),
+            'Retry-After of the depth-aware 503: "depth" (FD §6.2.1) or'
+            ' "estimate" (the learned wake estimate, rounded up).',
+            only="vllm",
+        ),
+        Setting(
             "services",
             None,
             "The vLLM services behind this facade.",

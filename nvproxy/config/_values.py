@@ -125,6 +125,9 @@ class EngineConfig:
     @ivar hold: vLLM wake hold deadlines (vLLM only).
     @ivar state_ttl: how long the last look at a vLLM service that found it
         awake is trusted while its state polls fail (vLLM only).
+    @ivar retry_after: the depth-aware 503's C{Retry-After}: C{"depth"}
+        (FD §6.2.1 by depth) or C{"estimate"} (the learned wake estimate,
+        rounded up, at least 1) (vLLM only).
     """
 
     id: str
@@ -136,6 +139,7 @@ class EngineConfig:
     services: tuple[VllmServiceConfig, ...] = ()
     hold: VllmHold = VllmHold()
     state_ttl: float = 10.0
+    retry_after: str = "depth"
 
     @property
     def facade_port(self) -> int:
