@@ -37,7 +37,7 @@ from typing import Any, Final
 
 from attrs import evolve, field, frozen
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -322,6 +322,7 @@ class PeerRecords(Service):
         self.records: dict[str, NodeRecord] = {}
         self._state: dict[str, str] = {}
         self._inflight: dict[str, Deferred[None]] = {}
+        self._waiters: dict[str, list[Deferred[None]]] = {}
         self._loop = LoopingCall(self.poll)
         self._loop.clock = clock
 
@@ -358,17 +359,31 @@ class PeerRecords(Service):
         round_: list[Deferred[None]] = []
         for peer, base in sorted(self._peers.items()):
             if peer in self._inflight:
+                # An answer to a question asked before now may predate the
+                # change the caller wants to see: ask again after it.
+                waiter: Deferred[None] = Deferred()
+                self._waiters.setdefault(peer, []).append(waiter)
+                round_.append(waiter.addCallback(self._again, peer))
                 continue
-            d = self._poll_one(peer, base)
-            if not d.called:
-                self._inflight[peer] = d
-            round_.append(d)
+            round_.append(self._start(peer, base))
 
         def done(_: object) -> None:
             if self.records != before:
                 self._changed()
 
         return DeferredList(round_, consumeErrors=True).addCallback(done)
+
+    def _start(self, peer: str, base: str) -> Deferred[None]:
+        d = self._poll_one(peer, base)
+        if not d.called:
+            self._inflight[peer] = d
+        return d
+
+    def _again(self, _: object, peer: str) -> Deferred[None]:
+        base = self._peers.get(peer)
+        if base is None or peer in self._inflight or not self.running:
+            return succeed(None)
+        return self._start(peer, base)
 
     def _poll_one(self, peer: str, base: str) -> Deferred[None]:
         url = base.rstrip("/") + NODE_PATH
@@ -403,6 +418,8 @@ class PeerRecords(Service):
 
         def settled(_: object) -> None:
             self._inflight.pop(peer, None)
+            for waiter in self._waiters.pop(peer, []):
+                waiter.callback(None)
 
         d = self._client.get_json(url, timeout)
         d.addCallbacks(answered, failed)
