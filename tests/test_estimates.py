@@ -153,3 +153,28 @@ class LearnedWakeTests(_Harness):
         assert isinstance(error, Waking)
         self.assertEqual(error.retry_after, 13)
         self.advance(31)
+
+
+class RetryAfterConfigTests(SynchronousTestCase):
+    def load(self, value: str) -> object:
+        from nvproxy.config import load_config
+
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write(f"[engines.vllm]\nretry_after = {value}\n")
+        return load_config(path, {}, {"HOME": self.mktemp()})
+
+    def test_values(self) -> None:
+        from nvproxy.config import Config
+
+        for value, expected in (('"estimate"', "estimate"), ('"depth"', "depth")):
+            config = self.load(value)
+            assert isinstance(config, Config)
+            self.assertEqual(config.engines["vllm"].retry_after, expected)
+
+    def test_bad_value_names_the_key(self) -> None:
+        from nvproxy.config import ConfigError
+
+        with self.assertRaises(ConfigError) as caught:
+            self.load('"soon"')
+        self.assertIn("engines.vllm.retry_after", str(caught.exception))

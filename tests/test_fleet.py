@@ -34,7 +34,13 @@ from nvproxy.readiness import READINESS, ModelReadiness
 from nvproxy.scheduler import ReservationMap, SchedulerSnapshot, choose, order_owners
 from nvproxy.service import NvProxy
 from nvproxy.testing.fakevllm import FakeVLLM
-from nvproxy.testing.harness import facade_url, free_port, proxy_config, start_proxy
+from nvproxy.testing.harness import (
+    facade_url,
+    free_port,
+    nvproxyctl,
+    proxy_config,
+    start_proxy,
+)
 from nvproxy.workload import WorkloadRecorder
 from tests.test_forwarding import ProxyTestCase
 
@@ -143,6 +149,19 @@ class DrainOrderTests(SynchronousTestCase):
         self.assertEqual(accounting.in_flight, {"vllm": 2})
 
 
+class CtlTests(SynchronousTestCase):
+    def test_drain_commands(self) -> None:
+        from nvproxy.ctl import _parser, _request
+
+        self.assertEqual(
+            _request(_parser().parse_args(["drain"])), ("POST", "/admin/drain", None)
+        )
+        self.assertEqual(
+            _request(_parser().parse_args(["drain", "--off"])),
+            ("DELETE", "/admin/drain", None),
+        )
+
+
 class DrainStateTests(SynchronousTestCase):
     def test_persisted_until_undone(self) -> None:
         state_dir = self.mktemp()
@@ -179,8 +198,13 @@ def served(fake: FakeVLLM) -> int:
 
 
 class FleetTests(ProxyTestCase):
-    async def fleet(self) -> tuple[dict[str, NvProxy], dict[str, FakeVLLM]]:
-        """Three nodes, each with a vLLM service C{m} serving L{MODEL}."""
+    async def fleet(
+        self, hold: float = 5.0, **dispatch: Any
+    ) -> tuple[dict[str, NvProxy], dict[str, FakeVLLM]]:
+        """
+        Three nodes, each with a vLLM service C{m} serving L{MODEL}, held
+        for C{hold} seconds while it wakes, with C{dispatch} overrides.
+        """
         root = os.path.abspath(self.mktemp())
         dirs = {n: ClusterDir(os.path.join(root, n)) for n in NODES}
         fingerprints = {n: dirs[n].init(n, reactor).fingerprint for n in NODES}
@@ -203,14 +227,17 @@ class FleetTests(ProxyTestCase):
             fake.listen(reactor)
             self.addCleanup(fake.stop)
             config = proxy_config(
-                os.path.join(root, node + "-state"), {"vllm": fake.url}, admin=True
+                os.path.join(root, node + "-state"),
+                {"vllm": fake.url},
+                admin=True,
+                **dispatch,
             )
             engines = dict(config.engines)
             engines["vllm"] = evolve(
                 engines["vllm"],
                 port=ports[node],
                 services=(VllmServiceConfig("m", fake.url, MODEL),),
-                hold=VllmHold(sleeping=5, offloaded=5, restarting=5),
+                hold=VllmHold(sleeping=hold, offloaded=hold, restarting=hold),
             )
             config = evolve(
                 config,
@@ -361,11 +388,33 @@ class FleetTests(ProxyTestCase):
         self.assertTrue(status["records"][0]["draining"])
         # persisted, and undone
         self.assertTrue(DrainState(b.config.state_dir).draining)
-        code, _, _ = await self.client.request(
-            "DELETE", f"http://127.0.0.1:{b.admin.bound_port()}/admin/drain"
+        code, out = await nvproxyctl(
+            f"127.0.0.1:{b.admin.bound_port()}", "drain", "--off"
         )
-        self.assertEqual(code, 200)
+        self.assertEqual(code, 0, out)
+        self.assertFalse(json.loads(out)["draining"])
         self.assertFalse(DrainState(b.config.state_dir).draining)
+        self.assertFalse(b.ops.status()["draining"])
+
+    async def test_peer_503_passed_through(self) -> None:
+        """
+        Asleep everywhere and slow to wake: A's own hold passes (retryable
+        elsewhere), then B holds the request and its depth-aware 503 is the
+        final answer, passed through unchanged.
+        """
+        proxies, fakes = await self.fleet(hold=0.3, max_attempts=2, backoff=(0.01,))
+        for node in NODES:
+            fakes[node].wake_latency = 30.0
+            await self.asleep(proxies[node], 1)
+        a = proxies["node-a"]
+        await self.refresh(a)
+        code, headers, body = await self.chat(a)
+        self.assertEqual(code, 503, body)
+        error = json.loads(body)["error"]
+        self.assertEqual(error["code"], "model_waking")
+        self.assertEqual(error["sleep_depth"], "sleeping")
+        self.assertEqual(headers.getRawHeaders(b"retry-after"), [b"10"])
+        self.assertEqual([fakes[n].wake_calls > 0 for n in NODES], [True, True, False])
 
     async def test_node_route_in_peer_mode_only(self) -> None:
         """
