@@ -27,9 +27,8 @@ DRAIN_FILE = "drain.json"
 
 class DrainState:
     """
-    Whether this node drains, persisted.
-
-    @param changed: called after every change.
+    Whether this node drains, persisted; L{subscribe}rs are told of every
+    change.
     """
 
     def __init__(self, state_dir: str) -> None:

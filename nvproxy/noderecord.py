@@ -155,6 +155,19 @@ def _text(value: object, what: str) -> str:
     return value
 
 
+def _seconds(value: object, at: str) -> float:
+    what = f"{at}.wake_estimate_s must be a finite number >= 0"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise BadRecord(what)
+    try:
+        seconds = float(value)
+    except OverflowError:
+        raise BadRecord(what) from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise BadRecord(what)
+    return seconds
+
+
 def decode(document: object) -> NodeRecord:
     """
     Validate a received record.  Unknown fields are ignored (fields may be
@@ -187,15 +200,9 @@ def decode(document: object) -> NodeRecord:
             readiness = state.get("readiness")
             if readiness not in READINESS:
                 raise BadRecord(f"{at}.readiness must be one of {', '.join(READINESS)}")
-            estimate = state.get("wake_estimate_s", 0.0)
-            if (
-                not isinstance(estimate, (int, float))
-                or isinstance(estimate, bool)
-                or not math.isfinite(estimate)
-                or estimate < 0
-            ):
-                raise BadRecord(f"{at}.wake_estimate_s must be a number >= 0")
-            models[model] = ModelReadiness(readiness, estimate)
+            models[model] = ModelReadiness(
+                readiness, _seconds(state.get("wake_estimate_s", 0.0), at)
+            )
         engines[engine_id] = EngineRecord(port, in_flight, models)
     return NodeRecord(node, generation, draining, engines, version)
 

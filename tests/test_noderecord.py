@@ -11,6 +11,8 @@ import os
 import re
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
@@ -112,6 +114,7 @@ class SchemaTests(SynchronousTestCase):
             with_([*model, "readiness"], "asleep"),
             with_([*model, "wake_estimate_s"], -1),
             with_([*model, "wake_estimate_s"], "12"),
+            with_([*model, "wake_estimate_s"], 10**400),
         ]:
             with self.subTest(doc=doc):
                 self.assertRaises(BadRecord, decode, doc)
@@ -287,3 +290,75 @@ class FleetTests(SynchronousTestCase):
             ],
         )
         self.assertEqual(text.count("nvproxy_model_readiness{"), 10)
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**400), max_value=10**400)
+    | st.floats(allow_nan=True)
+    | st.sampled_from(["", "awake", "sleeping", "vllm", "node-a"]),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "version",
+                    "node",
+                    "generation",
+                    "draining",
+                    "engines",
+                    "vllm",
+                    "port",
+                    "in_flight",
+                    "models",
+                    "M",
+                    "readiness",
+                    "wake_estimate_s",
+                ]
+            ),
+            children,
+            max_size=5,
+        )
+    ),
+    max_leaves=20,
+)
+
+
+def _mutations() -> Any:
+    """The example with one value replaced somewhere by random JSON."""
+    paths = [
+        ["version"],
+        ["generation"],
+        ["engines"],
+        ["engines", "vllm"],
+        ["engines", "vllm", "port"],
+        ["engines", "vllm", "in_flight"],
+        ["engines", "vllm", "models"],
+        ["engines", "vllm", "models", "Qwen3-8B"],
+        ["engines", "vllm", "models", "Qwen3-8B", "wake_estimate_s"],
+    ]
+    return st.tuples(st.sampled_from(paths), _json)
+
+
+class DecodeNeverCrashesTests(SynchronousTestCase):
+    @given(_json)
+    def test_random_json(self, doc: Any) -> None:
+        try:
+            decode(doc)
+        except BadRecord:
+            pass
+
+    @given(_mutations())
+    def test_mutated_example(self, mutation: Any) -> None:
+        path, value = mutation
+        doc = json.loads(json.dumps(EXAMPLE))
+        at = doc
+        for key in path[:-1]:
+            at = at[key]
+        at[path[-1]] = value
+        try:
+            record = decode(doc)
+        except BadRecord:
+            return
+        self.assertEqual(decode(encode(record)), record)

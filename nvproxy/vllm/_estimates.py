@@ -116,7 +116,7 @@ class WakeEstimates:
             if not isinstance(services, dict):
                 raise TypeError("services is not an object")
             loaded = dict(_entries(services))
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
             log.warn("ignoring unreadable {path}: {error}", path=self._path, error=e)
             return
         known = set(self._services)
@@ -155,7 +155,7 @@ def _entries(
             if (
                 not isinstance(value, (int, float))
                 or isinstance(value, bool)
-                or not math.isfinite(value)
+                or not math.isfinite(float(value))
                 or value < 0
             ):
                 raise ValueError(f"bad estimate for {service}/{name}")
