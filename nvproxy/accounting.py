@@ -23,6 +23,7 @@ from nvproxy.engines import Engine, RouteKind
 from nvproxy.inferstats import StatsMeter
 from nvproxy.metrics import Metrics, RequestMetrics
 from nvproxy.outliers import OutlierTable
+from nvproxy.readiness import ModelReadiness
 from nvproxy.scheduler import ReservationMap, ReservationTracker, choose, order_owners
 from nvproxy.workload import WorkloadRecorder, WorkloadTracker
 
@@ -30,6 +31,9 @@ log = Logger()
 
 Awake = Callable[[NodeEntry, str | None], bool]
 """(node entry, model) -> whether the node serves without waking (a backend's)."""
+
+ReadinessOf = Callable[[NodeEntry, str | None], ModelReadiness]
+"""(node entry, model) -> how ready the node's model is (a backend's)."""
 
 _STOPPED = frozenset({"client_gone", RejectReason.SHUTDOWN.value})
 """Job endings that abort the attempt in flight: its failure is ours."""
@@ -55,6 +59,9 @@ class Accounting:
         self.metrics = metrics
         self.pins = pins
         self.outliers = outliers
+        # engine -> requests begun and not finished (the node record's
+        # in_flight)
+        self.in_flight: dict[str, int] = {}
 
     def begin(
         self,
@@ -63,13 +70,16 @@ class Accounting:
         kind: RouteKind,
         awake: Awake | None = None,
         requester: str | None = None,
+        readiness: ReadinessOf | None = None,
     ) -> RequestAccounting:
         """
-        One request's accounting; C{awake} (the facade backend's readiness)
-        orders awake owners first; C{requester} is the name of the API key
-        the request came with.
+        One request's accounting; C{readiness} (the facade backend's) orders
+        owners by readiness after the pin and the priority list (C{awake},
+        the older form, only awake before not); C{requester} is the name of
+        the API key the request came with.
         """
         inference = kind is RouteKind.INFERENCE and model is not None
+        self.in_flight[engine.id] = self.in_flight.get(engine.id, 0) + 1
         return RequestAccounting(
             self,
             engine,
@@ -81,6 +91,7 @@ class Accounting:
             else None,
             ReservationTracker(self.reservations) if inference else None,
             StatsMeter(self.clock, engine.stream_dialect) if inference else None,
+            readiness,
         )
 
 
@@ -110,8 +121,10 @@ class RequestAccounting:
         workload: WorkloadTracker | None,
         reservations: ReservationTracker | None,
         meter: StatsMeter | None,
+        readiness: ReadinessOf | None = None,
     ) -> None:
         self._shared = shared
+        self._readiness = readiness
         self._engine = engine
         self._model = model
         self._awake = awake
@@ -132,10 +145,22 @@ class RequestAccounting:
         """
         Order this round's eligible owners and take the round's reservation.
         Owners ejected after a transport failure come last (an eligible pin
-        stays first); none is ever dropped or added.
+        stays first); draining nodes come after all of those (a pin on one
+        too), so they get new work only when no other owner is left; none is
+        ever dropped or added.
         """
         if not entries:
             return []
+        live = [entry for entry in entries if not entry.draining]
+        draining = [entry for entry in entries if entry.draining]
+        if live and draining:
+            # Only the live ones take the round's reservation.
+            return self._order(live) + self._order(draining, reserve=False)
+        return self._order(list(entries))
+
+    def _order(
+        self, entries: Sequence[NodeEntry], reserve: bool = True
+    ) -> list[NodeEntry]:
         shared = self._shared
         by_id = {entry.node_id: entry for entry in entries}
         awake_fn: Callable[[str], bool] | None = None
@@ -143,6 +168,14 @@ class RequestAccounting:
             awake = self._awake
             model = self._model
             awake_fn = lambda node: awake(by_id[node], model)  # noqa: E731
+        ready_fn: Callable[[str], tuple[int, float]] | None = None
+        if self._readiness is not None:
+            # Once per round: a waking owner's estimate shrinks with time.
+            ranks = {
+                node: self._readiness(entry, self._model).rank
+                for node, entry in by_id.items()
+            }
+            ready_fn = ranks.__getitem__
         ejected_fn: Callable[[str], bool] | None = None
         if shared.outliers is not None:
             is_ejected = shared.outliers.is_ejected
@@ -156,14 +189,16 @@ class RequestAccounting:
             loads=shared.reservations.load,
             awake=awake_fn,
             ejected=ejected_fn,
+            readiness=ready_fn,
         )
-        if self._reservations is not None:
+        if self._reservations is not None and reserve:
             ordered, reservation = choose(
                 ordered,
                 pin in by_id,
                 shared.reservations,
                 awake=awake_fn,
                 ejected=ejected_fn,
+                readiness=ready_fn,
             )
             self._reservations.adopt(reservation)
         return [by_id[node] for node in ordered]
@@ -208,6 +243,13 @@ class RequestAccounting:
         if outcome.reason not in _STOPPED:
             self._eject_suspect()
         self._suspect = None
+        if not self._done:
+            engine = self._engine.id
+            left = self._shared.in_flight.get(engine, 0) - 1
+            if left > 0:
+                self._shared.in_flight[engine] = left
+            else:
+                self._shared.in_flight.pop(engine, None)
         self._done = True
         if self._reservations is not None:
             self._reservations.finished(outcome)

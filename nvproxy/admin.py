@@ -48,6 +48,8 @@ class AdminBackend(Protocol):
 
     def sleep(self, service: str, level: int) -> Deferred[Mapping[str, Any]]: ...
 
+    def drain(self, draining: bool) -> Mapping[str, Any]: ...
+
 
 #: What a route raises to answer with an error (the operations' own error).
 AdminError = OperationError
@@ -138,6 +140,14 @@ def admin_app(
     @app.route("/admin/engines/<name>/select", methods=["DELETE"])
     def unselect(request: Any, name: str) -> bytes:
         return _json(request, 200, backend.select(_engine(name), None))
+
+    @app.route("/admin/drain", methods=["POST"])
+    def drain(request: Any) -> bytes:
+        return _json(request, 200, backend.drain(True))
+
+    @app.route("/admin/drain", methods=["DELETE"])
+    def undrain(request: Any) -> bytes:
+        return _json(request, 200, backend.drain(False))
 
     @app.route("/metrics", methods=["GET"])
     def metrics(request: Any) -> bytes:

@@ -24,6 +24,7 @@ from twisted.logger import Logger
 
 from nvproxy.engines import ENGINES
 from nvproxy.logs import describe
+from nvproxy.readiness import AWAKE, ModelReadiness
 
 log = Logger()
 
@@ -53,15 +54,26 @@ class NodeEntry:
 
     @ivar models: normalized model id -> the endpoint serving it.
     @ivar endpoints: every endpoint of this node for this engine that answered.
+    @ivar readiness: per advertised model, how ready it is (from the node
+        record, L{nvproxy.noderecord}); a model not listed is awake.
+    @ivar draining: the node asked to be left out of new dispatches.
     """
 
     node_id: str
     kind: NodeKind
     models: Mapping[str, Endpoint]
     endpoints: tuple[Endpoint, ...]
+    readiness: Mapping[str, ModelReadiness] = field(factory=dict)
+    draining: bool = False
 
     def advertises(self, model: str) -> bool:
         return model in self.models
+
+    def readiness_of(self, model: str | None) -> ModelReadiness:
+        """How ready C{model} is here (awake when nothing says otherwise)."""
+        if model is None:
+            return AWAKE
+        return self.readiness.get(model, AWAKE)
 
 
 def _empty() -> Mapping[str, Mapping[str, NodeEntry]]:
@@ -152,6 +164,9 @@ class PollingDiscovery(Service):
     """
     Polls every endpoint's model list every C{interval} seconds.
 
+    @param annotate: called with (engine, entry) for each entry before it is
+        published; answers the entry with readiness and draining filled in
+        (L{nvproxy.noderecord.Fleet.annotate}).
     @param answered: called with each endpoint whose poll was answered with
         a model list (not for C{static_models}, which are never asked): the
         engine there is reachable, which reinstates an ejected owner
@@ -167,8 +182,10 @@ class PollingDiscovery(Service):
         interval: float = 2.0,
         static_models: Mapping[Endpoint, Sequence[str]] | None = None,
         answered: Callable[[Endpoint], None] | None = None,
+        annotate: Callable[[str, NodeEntry], NodeEntry] | None = None,
     ) -> None:
         self.discovery = discovery
+        self._annotate = annotate
         self._answered = answered
         self._client = client
         self._clock = clock
@@ -277,6 +294,13 @@ class PollingDiscovery(Service):
         d.addBoth(settled)
         return d
 
+    def republish(self) -> None:
+        """
+        Publish again from the last answers: readiness or draining changed
+        (publishes nothing when the snapshot would be the same).
+        """
+        self._publish()
+
     def _publish(self) -> None:
         engines: dict[str, dict[str, NodeEntry]] = {}
         grouped: dict[tuple[str, str], list[Endpoint]] = {}
@@ -290,7 +314,8 @@ class PollingDiscovery(Service):
             for endpoint in endpoints:
                 for model in sorted(self._answers[endpoint]):
                     models.setdefault(model, endpoint)
-            engines.setdefault(engine_id, {})[node_id] = NodeEntry(
-                node_id, endpoints[0].kind, models, tuple(endpoints)
-            )
+            entry = NodeEntry(node_id, endpoints[0].kind, models, tuple(endpoints))
+            if self._annotate is not None:
+                entry = self._annotate(engine_id, entry)
+            engines.setdefault(engine_id, {})[node_id] = entry
         self.discovery.publish(engines)

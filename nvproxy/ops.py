@@ -31,7 +31,9 @@ from nvproxy.cluster import ClusterWatcher
 from nvproxy.config import EngineConfig, default_backend, is_loopback
 from nvproxy.discovery import Discovery
 from nvproxy.dispatch import Dispatcher
+from nvproxy.drain import DrainState
 from nvproxy.logs import set_level
+from nvproxy.noderecord import Fleet
 from nvproxy.outliers import OutlierTable
 from nvproxy.ports import PortStore, SelectionStore, effective_port
 from nvproxy.proxy.listener import CannotListen, PortListener
@@ -116,7 +118,11 @@ class Operations:
         endpoints_changed: Callable[[], None],
         cluster: ClusterWatcher | None = None,
         vllm: VllmManager | None = None,
+        fleet: Fleet | None = None,
+        drain: DrainState | None = None,
     ) -> None:
+        self._fleet = fleet
+        self._drain = drain
         self._node_id = node_id
         self._clock = clock
         self._discovery = discovery
@@ -240,6 +246,22 @@ class Operations:
     def set_log_level(self, level: str) -> None:
         set_level(level)
 
+    def drain(self, draining: bool) -> Mapping[str, Any]:
+        """
+        Take this node out of rotation (or back in): every node, this one
+        included, stops choosing it for new dispatches unless it is the only
+        owner; in-flight work finishes.  Persisted before it applies.
+        """
+        if self._drain is None:
+            raise OperationError(404, "not found")
+        try:
+            self._drain.set(draining)
+        except OSError as e:
+            raise OperationError(
+                500, f"cannot persist the drain state: {e.strerror or e}"
+            ) from None
+        return {"node_id": self._node_id, "draining": draining}
+
     # -- vLLM (FD §6.5) -----------------------------------------------------
 
     def wake(self, service: str) -> Deferred[Mapping[str, Any]]:
@@ -347,6 +369,8 @@ class Operations:
             "loads": dict(self._reservations.snapshot_of_loads()),
             "ejected": self._outliers.status(),
             "process": self._process_status(),
+            "draining": self._drain.draining if self._drain is not None else False,
+            "records": self._fleet.records() if self._fleet is not None else [],
         }
 
     def _process_status(self) -> dict[str, int | None]:

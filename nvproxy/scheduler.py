@@ -9,6 +9,10 @@ Ordering (:func:`order_owners`, §5 step 2)::
     eligible pin ▸ scheduler priority list ▸ default order (sorted ids)
     then, when ``awake`` is given: awake owners before sleeping ones, stable,
     except that an eligible pin stays first even while it sleeps;
+    or, when ``readiness`` is given instead (the fleet's node records): the
+    owners not on the priority list by readiness class (awake ▸ waking ▸
+    sleeping ▸ offloaded ▸ restarting), then wake estimate, then load, then
+    default order;
     then, when ``ejected`` is given: ejected owners last, stable, again except
     an eligible pin.
 
@@ -253,6 +257,7 @@ def order_owners(
     loads: Mapping[str, float] | Callable[[str], float] | None = None,
     awake: Callable[[str], bool] | None = None,
     ejected: Callable[[str], bool] | None = None,
+    readiness: Callable[[str], tuple[int, float]] | None = None,
 ) -> list[str]:
     """
     Order the eligible owners (§5 step 2).
@@ -277,6 +282,12 @@ def order_owners(
     tried when no other owner is left. An eligible pin stays first even while
     ejected: the operator asked for that node.
 
+    When ``readiness`` is given (node id -> (readiness class, wake estimate),
+    lower is readier), the pin and the priority list keep their places (§5
+    step 2 unchanged) and the other owners are sorted by it before load, so a
+    sleeping owner comes after every awake one anywhere in the fleet;
+    ``awake`` is then ignored.
+
     Duplicates in ``owners`` are collapsed.
     """
     given = list(dict.fromkeys(owners))
@@ -293,9 +304,15 @@ def order_owners(
             if node_id in eligible and node_id not in seen:
                 listed.append(node_id)
                 seen.add(node_id)
-    rest = sorted(eligible - seen, key=lambda n: (load_of(n), position[n]))
+    if readiness is not None:
+        ready = readiness
+        rest = sorted(
+            eligible - seen, key=lambda n: (ready(n), load_of(n), position[n])
+        )
+    else:
+        rest = sorted(eligible - seen, key=lambda n: (load_of(n), position[n]))
     tail = listed + rest
-    if awake is not None:
+    if awake is not None and readiness is None:
         tail = [n for n in tail if awake(n)] + [n for n in tail if not awake(n)]
     if ejected is not None:
         out = {n for n in tail if ejected(n)}
@@ -312,6 +329,7 @@ def choose(
     awake: Callable[[str], bool] | None = None,
     listed: Collection[str] | None = None,
     ejected: Callable[[str], bool] | None = None,
+    readiness: Callable[[str], tuple[int, float]] | None = None,
 ) -> tuple[list[str], Reservation | None]:
     """
     Reserve a candidate and move it to the front (§5 step 3, §6).
@@ -327,6 +345,10 @@ def choose(
     :param ejected: as for :func:`order_owners`; the pick is made among the
         candidates not ejected when there are any, so reservation never undoes
         ejected-last (nor, among those, awake-first).
+    :param readiness: as for :func:`order_owners`; with no scheduler-listed
+        candidate the pick is made among the readiest ones only (same class
+        and wake estimate as the readiest), so reservation never undoes
+        readiness order. ``awake`` is then ignored.
 
     The pick is the least estimated-loaded scheduler-listed candidate, ties
     keeping order. With no scheduler opinion about any candidate (no snapshot
@@ -339,12 +361,18 @@ def choose(
     pool = candidates
     if ejected is not None:
         pool = [n for n in pool if not ejected(n)] or pool
-    if awake is not None:
+    if awake is not None and readiness is None:
         pool = [n for n in pool if awake(n)] or pool
     if listed is None:
         snap = reservations.snapshot
         listed = frozenset(snap.priority) if snap is not None else frozenset()
-    pool = [n for n in pool if n in listed] or pool
+    on_list = [n for n in pool if n in listed]
+    if on_list:
+        pool = on_list
+    elif readiness is not None:
+        ranks = {n: readiness(n) for n in pool}
+        best_rank = min(ranks.values())
+        pool = [n for n in pool if ranks[n] == best_rank]
     best = min(pool, key=reservations.load)  # min keeps the first on ties
     reservation = reservations.reserve(best)
     candidates.remove(best)

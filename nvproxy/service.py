@@ -45,9 +45,17 @@ from nvproxy.config import (
 from nvproxy.control import ControlLink
 from nvproxy.discovery import Discovery, Endpoint, PollingDiscovery
 from nvproxy.dispatch import Dispatcher
+from nvproxy.drain import DrainState
 from nvproxy.engines import ENGINES, Engine
 from nvproxy.keyring import KeyFileError, KeyRing
 from nvproxy.metrics import Metrics
+from nvproxy.noderecord import (
+    Fleet,
+    LocalRecord,
+    PeerRecords,
+    ReadinessCollector,
+    encode,
+)
 from nvproxy.ops import Operations, effective_engine
 from nvproxy.outliers import EjectionPolicy, OutlierTable
 from nvproxy.ports import PortStore, SelectionStore
@@ -59,6 +67,7 @@ from nvproxy.proxy.facade import Facade, FacadeParts, PeerFacade, personalities
 from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
 from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
+from nvproxy.readiness import AWAKE, ModelReadiness
 from nvproxy.scheduler import ReservationMap
 from nvproxy.vllm import VllmManager
 from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
@@ -159,6 +168,7 @@ class NvProxy(MultiService):
                 poll_interval=config.discovery_poll_interval,
                 state_ttl=vllm_config.state_ttl,
                 metrics=self.registry,
+                retry_after_estimate=vllm_config.retry_after == "estimate",
             )
             self.vllm.setServiceParent(self)  # type: ignore[no-untyped-call]
             # A registered service advertises its model whatever its sleep
@@ -174,6 +184,26 @@ class NvProxy(MultiService):
             reactor,
             EjectionPolicy(config.dispatch.eject_base, config.dispatch.eject_max),
         )
+        # The fleet (DESIGN §3): this node's record, its peers' records, and
+        # readiness and draining in every discovery snapshot.
+        self.drain = DrainState(config.state_dir)
+        self.record = LocalRecord(
+            node_id,
+            self.discovery,
+            ports=self._facade_ports,
+            readiness=self._local_readiness,
+            in_flight=lambda engine: self.accounting.in_flight.get(engine, 0),
+            draining=lambda: self.drain.draining,
+        )
+        self.peer_records: PeerRecords | None = None
+        if cluster is not None:
+            self.peer_records = PeerRecords(
+                self.inventory_client,
+                reactor,
+                config.discovery_poll_interval,
+                changed=self._readiness_changed,
+            )
+        self.fleet = Fleet(self.record, self.peer_records)
         self.polling = PollingDiscovery(
             self.discovery,
             self.inventory_client,
@@ -182,8 +212,17 @@ class NvProxy(MultiService):
             interval=config.discovery_poll_interval,
             static_models=static,
             answered=lambda e: self.outliers.answered(e.engine, e.node_id),
+            annotate=self.fleet.annotate,
         )
         self.polling.setServiceParent(self)  # type: ignore[no-untyped-call]
+        if self.peer_records is not None:
+            self.peer_records.set_peers(self._record_urls())
+            self.peer_records.setServiceParent(self)  # type: ignore[no-untyped-call]
+        self.drain.subscribe(self._readiness_changed)
+        if self.vllm is not None:
+            self.vllm.subscribe(self._readiness_changed)
+        self.discovery.subscribe(lambda _snapshot: self.record.refresh())
+        self.registry.register(ReadinessCollector(self.discovery))
         if cluster is not None:
             cluster.subscribe(lambda _state: self._cluster_changed())
         self.dispatcher = Dispatcher(
@@ -211,9 +250,11 @@ class NvProxy(MultiService):
             listeners=self.listeners,
             add_facade=self._add_facade,
             remove_facade=self._remove_facade,
-            endpoints_changed=lambda: self.polling.set_endpoints(self._endpoints()),
+            endpoints_changed=self._set_endpoints,
             cluster=cluster,
             vllm=self.vllm,
+            fleet=self.fleet,
+            drain=self.drain,
         )
         sinks: list[WorkloadSink] = [self.workloads]
         self.link: ControlLink | None = None
@@ -291,8 +332,42 @@ class NvProxy(MultiService):
         pooled connections, which were authenticated against the old pins
         (new ones are dialled with the current pins).
         """
-        self.polling.set_endpoints(self._endpoints())
+        self._set_endpoints()
         self.upstream.pool.closeCachedConnections()
+
+    def _set_endpoints(self) -> None:
+        self.polling.set_endpoints(self._endpoints())
+        if self.peer_records is not None:
+            self.peer_records.set_peers(self._record_urls())
+
+    def _record_urls(self) -> dict[str, str]:
+        """Peer id -> one of its facades, where its node record is asked."""
+        urls: dict[str, str] = {}
+        for endpoint in self._endpoints():
+            if endpoint.kind == "peer":
+                urls.setdefault(endpoint.node_id, endpoint.base_url)
+        return urls
+
+    # -- the fleet --------------------------------------------------------
+
+    def _facade_ports(self) -> dict[str, int]:
+        return {
+            engine_id: listener.bound_port() or listener.port
+            for engine_id, listener in self.listeners.items()
+        }
+
+    def _local_readiness(self, engine_id: str, model: str) -> ModelReadiness:
+        """A registered vLLM service's readiness; every other model is awake."""
+        if ENGINES[engine_id].backend == "vllm" and self.vllm is not None:
+            service = self.vllm.registry.lookup(model)
+            if service is not None:
+                return self.vllm.readiness(service.name)
+        return AWAKE
+
+    def _readiness_changed(self) -> None:
+        """A local or a peer's readiness, or draining, changed."""
+        self.polling.republish()
+        self.record.refresh()
 
     def _peer_tls(self, host: str, port: int) -> IOpenSSLClientConnectionCreator | None:
         """
@@ -366,7 +441,11 @@ class NvProxy(MultiService):
             log.warn("{engine} facade: {warning}", engine=engine.id, warning=warning)
         peer = None
         if self.server_tls is not None:
-            peer = PeerFacade(parts, peer_of=self._peer_of)
+            peer = PeerFacade(
+                parts,
+                peer_of=self._peer_of,
+                node_record=lambda: encode(self.record.current()),
+            )
         limits = self.config.limits
         site = FacadeSite(
             personalities(facade, peer),

@@ -310,6 +310,7 @@ class StatusTests(SynchronousTestCase):
             sorted(status),
             [
                 "cluster",
+                "draining",
                 "ejected",
                 "facades",
                 "generation",
@@ -318,6 +319,7 @@ class StatusTests(SynchronousTestCase):
                 "node_id",
                 "nodes",
                 "process",
+                "records",
                 "reservations",
                 "vllm",
             ],

@@ -689,7 +689,10 @@ class HoldTests(_Harness):
         self.assertIn("waking from offload", body["message"])
 
     def test_estimate_learns(self) -> None:
-        """The estimate is the last measured wake of that depth."""
+        """
+        The estimate moves from the FD §6.2.1 seed towards each measured
+        wake of that depth: 6 + 0.3 * (5 - 6) = 5.7 s, 4.7 s left after 1 s.
+        """
         self._waking(1)  # measured: 5 s
         manager = self.managers[0]
         self.successResultOf(manager.sleep("text", 1))
@@ -697,7 +700,7 @@ class HoldTests(_Harness):
         self.advance(1)
         error = self.failureResultOf(d, Waking).value
         assert isinstance(error, Waking)
-        self.assertEqual(error.estimated_wake_seconds, 4)
+        self.assertEqual(error.estimated_wake_seconds, 5)
         self.advance(5)
 
     def test_not_final_is_retryable_status(self) -> None:
@@ -1244,6 +1247,12 @@ class AdminTests(_Harness):
                 "held_requests": 0,
                 "last_activity": 0.0,
                 "wake_in_progress": False,
+                "readiness": "awake",
+                "wake_estimates": {
+                    "sleeping": 6.0,
+                    "offloaded": 45.0,
+                    "restarting": 300.0,
+                },
             },
         )
         self.assertEqual(manager.status()[1]["state"], "awake")  # startup check

@@ -244,6 +244,13 @@ ENGINE: Final = Section(
             "A file holding the key this engine wants, sent as"
             " Authorization: Bearer on every request to it.",
         ),
+        Setting(
+            "retry_after",
+            choice("depth", "estimate"),
+            'Retry-After of the depth-aware 503: "depth" (FD §6.2.1) or'
+            ' "estimate" (the learned wake estimate, rounded up).',
+            only="vllm",
+        ),
         *(
             Setting(
                 setting.key,

@@ -129,6 +129,9 @@ class EngineConfig:
     @ivar access: this facade's C{[engines.E.access]} over C{[access]}.
     @ivar backend_api_key_file: a file holding the key this engine wants
         (sent upstream as C{Authorization: Bearer}).
+    @ivar retry_after: the depth-aware 503's C{Retry-After}: C{"depth"}
+        (FD §6.2.1 by depth) or C{"estimate"} (the learned wake estimate,
+        rounded up, at least 1) (vLLM only).
     """
 
     id: str
@@ -142,6 +145,7 @@ class EngineConfig:
     state_ttl: float = 10.0
     access: AccessOverride = field(factory=AccessOverride)
     backend_api_key_file: str | None = None
+    retry_after: str = "depth"
 
     @property
     def facade_port(self) -> int:

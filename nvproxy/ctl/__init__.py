@@ -8,6 +8,7 @@ cluster dir.
     nvproxyctl sleep SERVICE [--level 1|2]
     nvproxyctl set-port ENGINE PORT
     nvproxyctl select ENGINE NODE | nvproxyctl select ENGINE --clear
+    nvproxyctl drain | nvproxyctl drain --off
     nvproxyctl cluster init|fingerprint|add-peer|remove-peer|list ...
     nvproxyctl keys add|list|remove ...
 
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     select.add_argument("engine")
     select.add_argument("node", nargs="?")
     select.add_argument("--clear", action="store_true")
+    drain = sub.add_parser(
+        "drain", help="take this node out of rotation (--off: back in)"
+    )
+    drain.add_argument("--off", action="store_true")
     workloads = sub.add_parser("workloads", help="recent workloads")
     workloads.add_argument("--limit", type=int, default=20)
     cluster = sub.add_parser("cluster", help="cluster identity and peers")
@@ -96,6 +101,8 @@ def _request(args: argparse.Namespace) -> tuple[str, str, bytes | None]:
         )
     if command == "workloads":
         return "GET", f"/admin/workloads?limit={args.limit}", None
+    if command == "drain":
+        return ("DELETE" if args.off else "POST"), "/admin/drain", None
     raise CtlError(f"unknown command {command}")
 
 

@@ -14,8 +14,9 @@ services) and the vLLM front door (FD §6) is asked of its L{Backend}:
 * L{Backend.local_inventory} and L{Backend.asks}: what this node lists
   without asking its engine (vLLM's registered services, so listing never
   wakes one), and which endpoints an inventory fan-out asks;
-* L{Backend.is_awake}: whether an owner serves without waking (ordering:
-  awake owners first);
+* L{Backend.is_awake}: whether an owner serves without waking;
+* L{Backend.readiness}: how ready an owner's model is (ordering: readiness
+  class, then wake estimate; a peer's from its node record);
 * L{Backend.modelless_endpoint}: where a request naming no model goes on a
   node;
 * L{Backend.target}: the dispatch target for an endpoint (a local vLLM
@@ -38,6 +39,7 @@ from nvproxy.dispatch import Target
 from nvproxy.engines import Engine
 from nvproxy.proxy.bodies import with_model
 from nvproxy.proxy.client import ClientSide
+from nvproxy.readiness import ModelReadiness
 from nvproxy.vllm import ModelRequired, UnknownModel, VllmManager, WakingTarget
 
 MULTIPART = "multipart/form-data"
@@ -100,6 +102,9 @@ class Backend(Protocol):
     def is_awake(self, entry: NodeEntry, model: str | None) -> bool:
         """Whether C{entry} serves C{model} without a wake."""
 
+    def readiness(self, entry: NodeEntry, model: str | None) -> ModelReadiness:
+        """How ready C{entry}'s C{model} is (the snapshot's, or live)."""
+
     def modelless_endpoint(self, entry: NodeEntry) -> Endpoint | None:
         """Where a request naming no model goes on C{entry}, if anywhere."""
 
@@ -155,7 +160,11 @@ class HttpBackend:
         return True
 
     def is_awake(self, entry: NodeEntry, model: str | None) -> bool:
-        return True
+        return self.readiness(entry, model).readiness == "awake"
+
+    def readiness(self, entry: NodeEntry, model: str | None) -> ModelReadiness:
+        # A peer's comes from its node record; direct nodes are awake.
+        return entry.readiness_of(model)
 
     def modelless_endpoint(self, entry: NodeEntry) -> Endpoint | None:
         return entry.endpoints[0]
@@ -243,17 +252,18 @@ class VllmBackend(HttpBackend):
     def asks(self, endpoint: Endpoint) -> bool:
         return not (endpoint.kind == "local" and endpoint.service)
 
-    def is_awake(self, entry: NodeEntry, model: str | None) -> bool:
+    def readiness(self, entry: NodeEntry, model: str | None) -> ModelReadiness:
         """
-        Only this node's registered services are known to sleep (DESIGN §4:
-        awake owners first).
+        This node's registered services: live from their machines; a peer's
+        model: from its node record (DESIGN §3: awake owners first across
+        the fleet).
         """
         if entry.kind != "local" or model is None:
-            return True
+            return entry.readiness_of(model)
         endpoint = entry.models.get(model)
         if endpoint is None or endpoint.service is None:
-            return True
-        return self._manager.is_awake(endpoint.service)
+            return entry.readiness_of(model)
+        return self._manager.readiness(endpoint.service)
 
     def modelless_endpoint(self, entry: NodeEntry) -> Endpoint | None:
         """

@@ -50,7 +50,7 @@ from nvproxy.proxy.bodies import (
 )
 from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.cors import is_preflight, origin_inventory, preflight
-from nvproxy.proxy.pathnorm import is_hidden, normalize_path
+from nvproxy.proxy.pathnorm import is_hidden, match_key, normalize_path
 from nvproxy.proxy.urlgate import TextURLGate
 
 log = Logger()
@@ -122,9 +122,19 @@ class _Front:
     def _route(self, request: Any) -> Any:
         raise NotImplementedError
 
+    def _own(self, request: Any) -> bool:
+        """Answer one of nvproxy's own routes; false: not found here."""
+        return False
+
     # -- entry ------------------------------------------------------------
 
     def _handle(self, request: Any) -> Any:
+        if _is_own(request.path):
+            # nvproxy's own routes (the node record) exist in peer mode only.
+            if self._own(request):
+                return None
+            self._answer_error(request, 404, "not found")
+            return None
         if self._hidden(request.path):
             self._answer_error(request, 404, "not found")
             return None
@@ -295,7 +305,11 @@ class Facade(_Front):
             return None
         model, upstream = prepared
         accounting = self._accounting.begin(
-            self.engine, model, kind, self.backend.is_awake, caller_key(request)
+            self.engine,
+            model,
+            kind,
+            requester=caller_key(request),
+            readiness=self.backend.readiness,
         )
         # (The dispatcher resolves a non-inference request once, §5.1.)
         resolver = self._resolver(model, upstream, client, accounting)
@@ -448,10 +462,29 @@ class PeerFacade(_Front):
     """
 
     def __init__(
-        self, parts: FacadeParts, *, peer_of: Callable[[Any], str | None]
+        self,
+        parts: FacadeParts,
+        *,
+        peer_of: Callable[[Any], str | None],
+        node_record: Callable[[], object] | None = None,
     ) -> None:
         super().__init__(parts)
         self._peer_of = peer_of
+        self._node_record = node_record
+
+    def _own(self, request: Any) -> bool:
+        """C{GET /_nvproxy/node}: this node's record, to pinned peers only."""
+        if self._node_record is None or match_key(request.path) != _NODE_KEY:
+            return False
+        if self._peer_of(request) is None:
+            self._client(request).reject(403, "peer certificate is not pinned")
+            return True
+        if request.method not in (b"GET", b"HEAD"):
+            request.setHeader(b"allow", b"GET, HEAD")
+            self._answer_error(request, 405, "method not allowed")
+            return True
+        write_json(request, 200, self._node_record())
+        return True
 
     def _route(self, request: Any) -> Any:
         client = self._client(request)
@@ -517,6 +550,16 @@ def personalities(plain: Facade, peer: PeerFacade | None) -> IResource:
     if peer is None:
         return resource
     return _Personalities(resource, peer.resource())
+
+
+_NODE_KEY = "/_nvproxy/node"
+_OWN_PREFIX = "/_nvproxy"
+
+
+def _is_own(raw_path: bytes) -> bool:
+    """Whether a raw path is under nvproxy's own C{/_nvproxy} (normalized)."""
+    key = match_key(raw_path)
+    return key is not None and (key == _OWN_PREFIX or key.startswith(_OWN_PREFIX + "/"))
 
 
 def _settle(d: Deferred[JobOutcome], client: ClientSide) -> Deferred[object]:

@@ -23,7 +23,8 @@ down::
 
     __init__ ──► _target ──► _manager ──┬──► _poll ──┬──► _machine ──► _client
                                         │            └──► _client
-                                        ├──► _machine
+                                        ├──► _machine ──► _estimates
+                                        ├──► _estimates
                                         ├──► _client
                                         └──► _registry
     (_errors, which imports none of them: by __init__, _target, _manager,
@@ -167,9 +168,12 @@ Decisions where FD and DESIGN are silent:
   moment it wakes.  The end of the last active request re-arms the idle
   timer from then.
   C{POST /sleep} always carries C{mode=wait}.
-* C{estimated_wake_seconds}: the last measured wake of that depth for that
-  service (defaults 6 / 45 / 300 s) minus the time this wake has already
-  taken, at least 1.
+* C{estimated_wake_seconds}: the learned wake estimate of that depth for
+  that service (L{nvproxy.vllm._estimates}: an exponentially weighted
+  average of measured wakes, from the first C{/wake_up} call to the first
+  healthy answer, seeded with 6 / 45 / 300 s and persisted) minus the time
+  this wake has already taken, at least 1.  C{Retry-After} is FD §6.2.1's
+  by depth, or that estimate with C{retry_after = "estimate"}.
 """
 
 from nvproxy.vllm._errors import (

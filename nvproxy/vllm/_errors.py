@@ -82,13 +82,20 @@ class Waking(Exception):
     """
 
     def __init__(
-        self, service: str, model: str, depth: Depth, estimated_wake_seconds: int
+        self,
+        service: str,
+        model: str,
+        depth: Depth,
+        estimated_wake_seconds: int,
+        *,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(f"vLLM service {service!r} {_FROM[depth]}")
         self.service = service
         self.model = model
         self.depth = depth
-        self.retry_after = depth.retry_after
+        # FD §6.2.1 by depth, unless [engines.vllm] retry_after = "estimate"
+        self.retry_after = depth.retry_after if retry_after is None else retry_after
         self.estimated_wake_seconds = estimated_wake_seconds
 
     @property

@@ -22,7 +22,6 @@ from twisted.python.failure import Failure
 from nvproxy.config import VllmHold, VllmServiceConfig
 from nvproxy.vllm._client import BadAnswer, NoAnswer, SleepApi
 from nvproxy.vllm._errors import (
-    _ESTIMATE,
     Depth,
     ManagerStopped,
     Refused,
@@ -30,6 +29,7 @@ from nvproxy.vllm._errors import (
     Waking,
     _depth_of_level,
 )
+from nvproxy.vllm._estimates import WakeEstimates
 
 log = Logger()
 
@@ -53,6 +53,7 @@ class _Settings:
     health_poll: float = 0.5
     call_timeout: float = 10.0
     escalate_by_wake: bool = False
+    retry_after_estimate: bool = False
 
 
 class _WakeMetrics(Protocol):
@@ -61,6 +62,7 @@ class _WakeMetrics(Protocol):
     def held(self, service: str, count: int) -> None: ...
     def wake(self, service: str, depth: Depth) -> None: ...
     def woke(self, service: str, depth: Depth, seconds: float) -> None: ...
+    def measured(self, service: str, depth: Depth, seconds: float) -> None: ...
     def slept(self, service: str, level: int | None) -> None: ...
 
 
@@ -189,8 +191,17 @@ class _Core:
         metrics: _WakeMetrics,
         changed: Callable[[], None],
         settings: _Settings,
+        estimates: WakeEstimates | None = None,
     ) -> None:
         self.config = config
+        self.estimates = (
+            estimates if estimates is not None else WakeEstimates([config.name], None)
+        )
+        # told of every phase change (the node record follows readiness)
+        self.phase_changed: Callable[[], None] = lambda: None
+        # when this wake sequence first called /wake_up: a measured wake runs
+        # from then to the first healthy answer
+        self.wake_called: float | None = None
         self.name = config.name
         self.clock = clock
         self.hold = hold
@@ -228,6 +239,7 @@ class _Core:
     def phase(self, phase: str) -> None:
         self._phase = phase
         self.epoch += 1
+        self.phase_changed()
 
     # -- depth and holds ----------------------------------------------------
 
@@ -239,17 +251,31 @@ class _Core:
             return _depth_of_level(self.sleep_target)
         return _depth_of_level(self.level)
 
-    def estimate(self, depth: Depth) -> int:
-        typical = self.observed.get(depth, _ESTIMATE[depth])
+    def remaining(self, depth: Depth) -> float:
+        """
+        Seconds a wake from C{depth} would still take: the learned estimate
+        less what the running wake already took, never below 0.
+        """
+        typical = self.estimates.estimate(self.name, depth)
+        started = (
+            self.wake_called if self.wake_called is not None else self.wake_started
+        )
         elapsed = 0.0
-        if self.wake_started is not None:
-            elapsed = self.clock.seconds() - self.wake_started
-        return max(1, math.ceil(typical - elapsed))
+        if started is not None:
+            elapsed = self.clock.seconds() - started
+        return max(0.0, typical - elapsed)
+
+    def estimate(self, depth: Depth) -> int:
+        return max(1, math.ceil(self.remaining(depth)))
 
     def waking_error(self, failed: bool = False) -> Waking:
         depth = self.depth()
         kind = WakeFailed if failed else Waking
-        return kind(self.name, self.config.model, depth, self.estimate(depth))
+        estimate = self.estimate(depth)
+        retry_after = estimate if self.settings.retry_after_estimate else None
+        return kind(
+            self.name, self.config.model, depth, estimate, retry_after=retry_after
+        )
 
     def add_hold(self, deadline: bool, arrived: float | None = None) -> Deferred[None]:
         def cancel(d: Deferred[None]) -> None:
@@ -407,6 +433,7 @@ class _Core:
 
     def start_wake(self) -> _Op:
         self.wake_started = self.clock.seconds()
+        self.wake_called = None
         self.waking_from = None
         d = Deferred.fromCoroutine(self._wake())
 
@@ -575,6 +602,8 @@ class _Core:
                 depth=depth.value,
             )
             self.set_reload_pending(True)
+            if self.wake_called is None:
+                self.wake_called = self.clock.seconds()
             await client.wake_up(timeout=left(deadline, settings.wake_timeout))
             while await self._is_sleeping():
                 if self.clock.seconds() >= deadline:
@@ -635,6 +664,10 @@ def _awake_data(inputs: _Inputs, core: _Core) -> _Idle:
         took = core.verified_at - core.wake_started
         core.observed[core.waking_from] = took
         core.metrics.woke(core.name, core.waking_from, took)
+        if core.wake_called is not None:
+            measured = core.verified_at - core.wake_called
+            core.estimates.observe(core.name, core.waking_from, measured)
+            core.metrics.measured(core.name, core.waking_from, measured)
         log.info(
             "vLLM service {service} awake after {seconds:.1f}s from {depth}",
             service=core.name,
@@ -642,6 +675,7 @@ def _awake_data(inputs: _Inputs, core: _Core) -> _Idle:
             depth=core.waking_from.value,
         )
     core.wake_started = None
+    core.wake_called = None
     # a wake (or check) restarts the idle clock: the held callers may have
     # given up long ago, their retries are coming
     core.last_activity = core.verified_at
@@ -656,6 +690,7 @@ def _asleep_data(inputs: _Inputs, core: _Core, level: int | None) -> _Idle:
     core.level = level
     core.unreachable = False
     core.wake_started = None
+    core.wake_called = None
     core.changed()
     idle = _Idle()
     core.arm(idle)

@@ -18,8 +18,10 @@ from twisted.logger import Logger
 
 from nvproxy.config import VllmHold, VllmServiceConfig
 from nvproxy.ports import atomic_write
+from nvproxy.readiness import ModelReadiness, Readiness
 from nvproxy.vllm._client import SleepApiClient
 from nvproxy.vllm._errors import Depth, UnknownService
+from nvproxy.vllm._estimates import WakeEstimates
 from nvproxy.vllm._machine import _Core, _Forwarded, _ServiceMachine, _Settings
 from nvproxy.vllm._poll import _Poller
 from nvproxy.vllm._registry import VllmRegistry
@@ -67,6 +69,14 @@ class _Metrics:
             ["service", "depth"],
             registry=registry,
         )
+        self._duration = Histogram(
+            "nvproxy_vllm_wake_duration_seconds",
+            "Measured wakes: from the first wake call to the first healthy"
+            " answer, by service and depth (what the wake estimate learns from).",
+            ["service", "depth"],
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600),
+            registry=registry,
+        )
         self._sleeps = Counter(
             "nvproxy_vllm_sleeps",
             "Sleeps completed, by level.",
@@ -82,6 +92,14 @@ class _Metrics:
         if self.on:
             self._latency.labels(service, depth.value).observe(seconds)
 
+    def measured(self, service: str, depth: Depth, seconds: float) -> None:
+        if self.on:
+            self._duration.labels(service, depth.value).observe(seconds)
+
+    def estimates(self, registry: CollectorRegistry, estimates: WakeEstimates) -> None:
+        """The learned estimates as a gauge, read at scrape time."""
+        registry.register(_EstimateGauge(estimates))
+
     def held(self, service: str, count: int) -> None:
         if self.on:
             self._held.labels(service).set(count)
@@ -93,6 +111,26 @@ class _Metrics:
     def slept(self, service: str, level: int | None) -> None:
         if self.on:
             self._sleeps.labels(service, str(level)).inc()
+
+
+class _EstimateGauge:
+    """C{nvproxy_vllm_wake_estimate_seconds{service,depth}}."""
+
+    def __init__(self, estimates: WakeEstimates) -> None:
+        self._estimates = estimates
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(
+            "nvproxy_vllm_wake_estimate_seconds",
+            "The learned wake estimate by service and depth (seeded from"
+            " FD §6.2.1, an exponentially weighted average of measured wakes).",
+            labels=["service", "depth"],
+        )
+        for service, depth, value in self._estimates.all():
+            family.add_metric([service, depth.value], value)
+        yield family
 
 
 class VllmManager(Service):
@@ -116,6 +154,9 @@ class VllmManager(Service):
     @param escalate_by_wake: offload a level-1 sleeper by waking it and
         sleeping it at level 2, rather than C{/sleep?level=2} directly.
     @param metrics: where to register Prometheus metrics, if anywhere.
+    @param retry_after_estimate: the depth-aware 503's C{Retry-After} is the
+        wake estimate (rounded up, at least 1) instead of FD §6.2.1's value
+        for the depth (C{[engines.vllm] retry_after = "estimate"}).
     """
 
     def __init__(
@@ -133,8 +174,16 @@ class VllmManager(Service):
         wake_timeout: float = 600.0,
         escalate_by_wake: bool = False,
         metrics: CollectorRegistry | None = None,
+        retry_after_estimate: bool = False,
     ) -> None:
         self.registry = VllmRegistry(services)
+        self.retry_after_estimate = retry_after_estimate
+        self._subscribers: dict[object, Callable[[], None]] = {}
+        self._notice: Any = None
+        # Learned wake times, persisted (survive restarts and rebuilds).
+        self.estimates = WakeEstimates(
+            [s.name for s in self.registry.services], state_dir
+        )
         self.hold = hold
         self.http = http
         self.clock = clock
@@ -145,6 +194,8 @@ class VllmManager(Service):
         self.wake_timeout = wake_timeout
         self.escalate_by_wake = escalate_by_wake
         self.metrics = _Metrics(metrics)
+        if metrics is not None:
+            self.metrics.estimates(metrics, self.estimates)
         self._path = os.path.join(state_dir, STATE_FILE)
         self._written: bytes | None = None
         self._stopping = False
@@ -163,6 +214,7 @@ class VllmManager(Service):
             health_poll=self.health_poll,
             call_timeout=self.call_timeout,
             escalate_by_wake=self.escalate_by_wake,
+            retry_after_estimate=self.retry_after_estimate,
         )
         for service in self.registry.services:
             client = SleepApiClient(
@@ -176,7 +228,9 @@ class VllmManager(Service):
                 metrics=self.metrics,
                 changed=self.changed,
                 settings=settings,
+                estimates=self.estimates,
             )
+            core.phase_changed = self._phase_changed
             core.machine = _ServiceMachine(core)
             if service.name in old:
                 core.observed = old[service.name].observed
@@ -217,6 +271,9 @@ class VllmManager(Service):
         polls = [poller.stop() for poller in self._pollers.values()]
         for core in self._cores.values():
             core.machine.stop()
+        if self._notice is not None and self._notice.active():
+            self._notice.cancel()
+        self._notice = None
         return gatherResults(polls).addCallback(lambda _: None)
 
     def _recover(self) -> None:
@@ -362,6 +419,51 @@ class VllmManager(Service):
     def is_awake(self, name: str) -> bool:
         return self._core(name).phase == "awake"
 
+    def readiness(self, name: str) -> ModelReadiness:
+        """
+        How ready service C{name} is (the node record's readiness): awake,
+        waking (with what is left of its estimate), or asleep at its depth
+        (going to sleep counts as the depth it is going to; unknown counts
+        as offloaded; down as restarting) with the learned estimate.
+        """
+        core = self._core(name)
+        phase = core.phase
+        if phase == "awake":
+            return ModelReadiness("awake", 0.0)
+        if phase == "waking":
+            depth = core.waking_from or core.depth()
+            return ModelReadiness("waking", core.remaining(depth))
+        depth = Depth.RESTARTING if phase == "stopped" else core.depth()
+        readiness: Readiness = depth.value
+        return ModelReadiness(readiness, core.estimates.estimate(name, depth))
+
+    def subscribe(self, subscriber: Callable[[], None]) -> Callable[[], None]:
+        """
+        Call C{subscriber} (soon after, on the clock; several changes in a
+        row are told once) whenever a service's state changes.
+        """
+        token = object()
+        self._subscribers[token] = subscriber
+
+        def unsubscribe() -> None:
+            self._subscribers.pop(token, None)
+
+        return unsubscribe
+
+    def _phase_changed(self) -> None:
+        # Never from inside a state machine transition: a subscriber may
+        # dispatch, and so feed the machine again.
+        if self._notice is None and self._subscribers and not self._stopping:
+            self._notice = self.clock.callLater(0, self._tell)
+
+    def _tell(self) -> None:
+        self._notice = None
+        for subscriber in list(self._subscribers.values()):
+            try:
+                subscriber()
+            except Exception:
+                log.failure("vLLM state subscriber failed")
+
     def answered_503(self, name: str, depth: Depth) -> None:
         self.metrics.answered_503(name, depth)
 
@@ -408,6 +510,11 @@ class VllmManager(Service):
                     "held_requests": len(core.holds),
                     "last_activity": core.last_activity,
                     "wake_in_progress": core.phase == "waking",
+                    "readiness": self.readiness(core.name).readiness,
+                    "wake_estimates": {
+                        depth.value: round(self.estimates.estimate(core.name, depth), 3)
+                        for depth in Depth
+                    },
                 }
             )
         return out
