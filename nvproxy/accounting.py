@@ -73,7 +73,7 @@ class Accounting:
             engine,
             model,
             awake,
-            self.metrics.observer(self.clock, engine.id, kind.value),
+            self.metrics.observer(self.clock, engine.id, kind.value, model),
             self.recorder.begin(engine.id, model) if inference and model else None,
             ReservationTracker(self.reservations) if inference else None,
             StatsMeter(self.clock, engine.stream_dialect) if inference else None,
@@ -207,13 +207,13 @@ class RequestAccounting:
         self._done = True
         if self._reservations is not None:
             self._reservations.finished(outcome)
+        stats = None
+        status = self._committed_status
+        if self.meter is not None and status is not None and status < 400:
+            stats = self.meter.finish()
         if self._workload is not None:
-            stats = None
-            status = self._committed_status
-            if self.meter is not None and status is not None and status < 400:
-                stats = self.meter.finish()
             self._workload.finished(outcome, stats)
-        self._metrics.finished(outcome)
+        self._metrics.finished(outcome, stats)
 
     def _eject_suspect(self) -> None:
         node, self._suspect = self._suspect, None

@@ -227,7 +227,11 @@ class NvProxy(MultiService):
                 ) from None
             sinks.append(JsonLinesSink(self._workload_file))
         self.metrics = Metrics(
-            self.registry, self.ops.reservation_counts, self.outliers
+            self.registry,
+            self.ops.reservation_counts,
+            self.outliers,
+            known_model=self._advertised,
+            vllm_services=None if self.vllm is None else self.vllm.status,
         )
         self.accounting = Accounting(
             reactor,
@@ -254,6 +258,11 @@ class NvProxy(MultiService):
             site = _plain_site(admin_resource(admin), reactor, config.limits)
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
+
+    def _advertised(self, engine: str, model: str) -> bool:
+        """Whether some node advertises C{model} for C{engine} (metric labels)."""
+        entries = self.discovery.current.engines.get(engine, {})
+        return any(model in entry.models for entry in entries.values())
 
     # -- cluster ----------------------------------------------------------
 
