@@ -62,10 +62,11 @@ class Accounting:
         model: str | None,
         kind: RouteKind,
         awake: Awake | None = None,
+        request_id: str | None = None,
     ) -> RequestAccounting:
         """
         One request's accounting; C{awake} (the facade backend's readiness)
-        orders awake owners first.
+        orders awake owners first; C{request_id} goes in workload events.
         """
         inference = kind is RouteKind.INFERENCE and model is not None
         return RequestAccounting(
@@ -74,7 +75,9 @@ class Accounting:
             model,
             awake,
             self.metrics.observer(self.clock, engine.id, kind.value, model),
-            self.recorder.begin(engine.id, model) if inference and model else None,
+            self.recorder.begin(engine.id, model, request_id=request_id)
+            if inference and model
+            else None,
             ReservationTracker(self.reservations) if inference else None,
             StatsMeter(self.clock, engine.stream_dialect) if inference else None,
         )

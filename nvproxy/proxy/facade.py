@@ -49,6 +49,8 @@ from nvproxy.proxy.bodies import (
 )
 from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.pathnorm import is_hidden, normalize_path
+from nvproxy.proxy.requestid import assign as assign_request_id
+from nvproxy.proxy.requestid import request_id
 from nvproxy.proxy.urlgate import TextURLGate
 
 log = Logger()
@@ -123,6 +125,7 @@ class _Front:
     # -- entry ------------------------------------------------------------
 
     def _handle(self, request: Any) -> Any:
+        assign_request_id(request)
         if self._hidden(request.path):
             self._answer_error(request, 404, "not found")
             return None
@@ -276,7 +279,11 @@ class Facade(_Front):
             return None
         model, upstream = prepared
         accounting = self._accounting.begin(
-            self.engine, model, kind, self.backend.is_awake
+            self.engine,
+            model,
+            kind,
+            self.backend.is_awake,
+            request_id=request_id(request),
         )
         # (The dispatcher resolves a non-inference request once, §5.1.)
         resolver = self._resolver(model, upstream, client, accounting)
