@@ -45,7 +45,7 @@ def assign(request: Any) -> str:
         return existing
     values = request.requestHeaders.getRawHeaders(HEADER) or []
     if len(values) == 1 and valid(values[0].strip()):
-        rid = values[0].strip().decode("ascii")
+        rid = bytes(values[0]).strip().decode("ascii")
     else:
         rid = new_id()
     raw = rid.encode("ascii")
