@@ -57,6 +57,7 @@ from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
 from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.scheduler import ReservationMap
+from nvproxy.statuspage import StatusPage
 from nvproxy.vllm import VllmManager
 from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
 
@@ -254,7 +255,13 @@ class NvProxy(MultiService):
                     self._add_facade(engine_config)
         if config.admin_enabled:
             host, port = config.admin_listen
-            admin = admin_app(self.ops, self.registry, vllm=self.vllm is not None)
+            self.status_page = StatusPage(self.ops, reactor)
+            admin = admin_app(
+                self.ops,
+                self.registry,
+                vllm=self.vllm is not None,
+                status_page=self.status_page,
+            )
             site = _plain_site(admin_resource(admin), reactor, config.limits)
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
