@@ -167,3 +167,39 @@ class FleetStatus:
 
     def recent_workloads(self, limit: int) -> list[Any]:
         return list(reversed(self._workloads))[:limit]
+
+
+def serve(reactor: Any, port: int, nodes: int = 20, models: int = 50) -> Any:
+    """
+    Serve the status page over a L{FleetStatus} on C{127.0.0.1:port} (the
+    admin app's own routes, with the fleet as their source), moving the
+    fleet on every two seconds.  Returns the listening port.
+    """
+    from twisted.internet.task import LoopingCall
+    from twisted.web.server import Site
+
+    from nvproxy.admin import admin_app, admin_resource
+    from nvproxy.statuspage import StatusPage
+
+    fleet = FleetStatus(reactor, nodes=nodes, models=models)
+    page = StatusPage(fleet, reactor)
+    app = admin_app(fleet, _registry(), status_page=page)  # type: ignore[arg-type]
+    loop = LoopingCall(fleet.step)
+    loop.clock = reactor
+    loop.start(2.0, now=False)
+    return reactor.listenTCP(port, Site(admin_resource(app)), interface="127.0.0.1")
+
+
+def _registry() -> Any:
+    from prometheus_client import CollectorRegistry
+
+    return CollectorRegistry()
+
+
+if __name__ == "__main__":  # python -m nvproxy.testing.fleetstatus [PORT]
+    import sys
+
+    from twisted.internet import reactor as _reactor
+
+    serve(_reactor, int(sys.argv[1]) if len(sys.argv) > 1 else 8099)
+    _reactor.run()  # type: ignore[attr-defined]

@@ -177,7 +177,7 @@
   }
   function chart(id, key) {
     var box = $(id); clear(box);
-    var W = 600, H = 160, L = 44, B = 18, T = 8;
+    var W = 600, H = 160, L = 44, R = 8, B = 18, T = 8;
     var now = serverNow(), from = now - WINDOW_MS;
     var data = [];
     points.forEach(function (p) { if (p[key] !== null && p[key] !== undefined) data.push(p); });
@@ -185,13 +185,13 @@
     var max = niceMax(Math.max.apply(null, data.map(function (p) { return p[key]; }).concat([0])) * 1.05);
     for (var i = 0; i <= 4; i++) {
       var y = T + (H - T - B) * i / 4;
-      box.appendChild(svg("line", { x1: L, x2: W, y1: y, y2: y, "class": "grid" }));
+      box.appendChild(svg("line", { x1: L, x2: W - R, y1: y, y2: y, "class": "grid" }));
       var v = max * (4 - i) / 4;
       box.appendChild(svg("text", { x: L - 4, y: y + 4, "text-anchor": "end", "class": "axis" },
-        v >= 100 ? Math.round(v) : +v.toFixed(1)));
+        v >= 100 ? Math.round(v) : +v.toFixed(2)));
     }
     [10, 5, 0].forEach(function (m) {
-      var x = L + (W - L) * (1 - m / 10);
+      var x = L + (W - R - L) * (1 - m / 10);
       box.appendChild(svg("text", { x: Math.min(x, W - 2), y: H - 4, "text-anchor": m ? "middle" : "end", "class": "axis" },
         m ? "-" + m + " min" : "now"));
     });
@@ -200,11 +200,10 @@
       return;
     }
     var xy = data.map(function (p) {
-      var x = L + (W - L) * Math.max(0, (p.t - from)) / WINDOW_MS;
+      var x = L + (W - R - L) * Math.min(1, Math.max(0, (p.t - from) / WINDOW_MS));
       var y = T + (H - T - B) * (1 - p[key] / max);
       return [x.toFixed(1), y.toFixed(1)];
     });
-    box.appendChild(svg("polyline", { points: xy.map(function (c) { return c.join(","); }).join(" "), "class": "line" }));
     xy.forEach(function (c) { box.appendChild(svg("circle", { cx: c[0], cy: c[1], r: 2.5, "class": "dot" })); });
   }
 
@@ -253,6 +252,7 @@
       Object.keys(data.changed).forEach(function (k) { view[k] = data.changed[k]; });
       render();
       document.body.dataset.seq = data.seq;
+      document.body.dataset.updates = Number(document.body.dataset.updates || 0) + 1;
     });
   }
 
