@@ -202,4 +202,4 @@ if __name__ == "__main__":  # python -m nvproxy.testing.fleetstatus [PORT]
     from twisted.internet import reactor as _reactor
 
     serve(_reactor, int(sys.argv[1]) if len(sys.argv) > 1 else 8099)
-    _reactor.run()  # type: ignore[attr-defined]
+    _reactor.run()
