@@ -137,7 +137,7 @@
       var when = el("td", "ago", ago(w.createdAt)); when.dataset.t = w.createdAt; tr.appendChild(when);
       tr.appendChild(el("td", "model", w.model));
       tr.appendChild(el("td", null, w.engine));
-      tr.appendChild(el("td", null, w.node || "–"));
+      tr.appendChild(el("td", "nowrap", w.node || "–"));
       var state = w.state + (w.truncated ? " (truncated)" : "");
       var st = el("td", "s-" + w.state, state); if (w.error) st.title = w.error; tr.appendChild(st);
       tr.appendChild(el("td", "num", fmtMs(w.ttftMs)));
