@@ -253,6 +253,7 @@ class NvProxy(MultiService):
             for engine_config in config.engines.values():
                 if engine_config.enabled:
                     self._add_facade(engine_config)
+        self.status_page: StatusPage | None = None
         if config.admin_enabled:
             host, port = config.admin_listen
             self.status_page = StatusPage(self.ops, reactor)
@@ -436,6 +437,9 @@ class NvProxy(MultiService):
 
     def stopService(self) -> Deferred[Any]:
         self.dispatcher.shutdown()
+        if self.status_page is not None:
+            # Event streams never end on their own.
+            self.status_page.feed.close()
         d = super().stopService()  # type: ignore[no-untyped-call]
         stopped: Deferred[Any] = d if isinstance(d, Deferred) else succeed(None)
         stopped.addBoth(lambda _: self.upstream.close())

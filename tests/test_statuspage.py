@@ -423,3 +423,20 @@ class PageTests(MemoryProxyTestCase):
         stream.transport.stopProducing()  # type: ignore[attr-defined]
         self.net.advance(0.1)
         self.assertEqual(proxy.status_page.feed.clients, 0)
+
+    def test_stop_ends_streams(self) -> None:
+        """
+        Stopping nvproxy ends the event streams (they would otherwise keep
+        the poll running); the test case's cleanup finds nothing left.
+        """
+        proxy = self.proxy({}, admin=True)
+        response = self.drive(
+            self.client.http.request("GET", self.admin(proxy) + "/admin/events")
+        )
+        stream = _Stream()
+        response.deliverBody(stream)
+        self.net.advance(0.1)
+        self.assertEqual(proxy.status_page.feed.clients, 1)
+        self.drive(proxy.stopService())
+        self.net.advance(0.1)
+        self.assertEqual(proxy.status_page.feed.clients, 0)
