@@ -173,7 +173,8 @@ def serve(reactor: Any, port: int, nodes: int = 20, models: int = 50) -> Any:
     """
     Serve the status page over a L{FleetStatus} on C{127.0.0.1:port} (the
     admin app's own routes, with the fleet as their source), moving the
-    fleet on every two seconds.  Returns the listening port.
+    fleet on every two seconds.  Returns the listening port; its
+    C{stopListening} also stops the fleet.
     """
     from twisted.internet.task import LoopingCall
     from twisted.web.server import Site
@@ -187,7 +188,19 @@ def serve(reactor: Any, port: int, nodes: int = 20, models: int = 50) -> Any:
     loop = LoopingCall(fleet.step)
     loop.clock = reactor
     loop.start(2.0, now=False)
-    return reactor.listenTCP(port, Site(admin_resource(app)), interface="127.0.0.1")
+    listening = reactor.listenTCP(
+        port, Site(admin_resource(app)), interface="127.0.0.1"
+    )
+    stop_listening = listening.stopListening
+
+    def stop() -> Any:
+        if loop.running:
+            loop.stop()
+        page.feed.close()
+        return stop_listening()
+
+    listening.stopListening = stop
+    return listening
 
 
 def _registry() -> Any:

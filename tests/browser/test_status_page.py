@@ -71,7 +71,7 @@ async def _until(
     raise AssertionError(f"{what} did not show within {attempts * 0.05:.0f} s")
 
 
-class BrowserTests(TestCase):
+class _Browser(TestCase):
     timeout = 90
 
     def setUp(self) -> None:
@@ -107,6 +107,8 @@ class BrowserTests(TestCase):
         self.addCleanup(lambda: Deferred.fromCoroutine(stop()))
         return protocol
 
+
+class BrowserTests(_Browser):
     async def test_page_shows_fleet_and_updates(self) -> None:
         """
         The page shows this node and its model from the snapshot, then a
@@ -185,6 +187,42 @@ class BrowserTests(TestCase):
             lambda: proxy.status_page.feed.clients == 0,
             what="the stream ended with the browser",
         )
+
+
+class FleetPageTests(_Browser):
+    async def test_twenty_nodes_fifty_models(self) -> None:
+        """
+        With the 20-node, 50-model fixture every node and model is on the
+        page, and neither a wide nor a laptop-sized window scrolls
+        sideways.
+        """
+        from nvproxy.testing.fleetstatus import serve
+
+        port = serve(reactor, 0)
+        self.addCleanup(port.stopListening)
+        for width, height in ((1440, 1000), (1024, 768)):
+            browser = self.browser()
+            await browser.open(
+                f"http://127.0.0.1:{port.getHost().port}/", width, height
+            )
+            await _until(
+                browser, "document.querySelectorAll('.node').length === 20", "nodes"
+            )
+            self.assertEqual(
+                await browser.evaluate(
+                    "document.querySelectorAll('#models tr[data-model]').length"
+                ),
+                50,
+            )
+            self.assertTrue(
+                await browser.evaluate(
+                    "document.documentElement.scrollWidth"
+                    " <= document.documentElement.clientWidth"
+                ),
+                f"scrolls sideways at {width} px",
+            )
+            await browser.close()
+            await browser.ended
 
 
 class WheelTests(TestCase):
