@@ -13,8 +13,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvproxy.proxy.requestid import valid
 from nvproxy.testing.fakeengine import Behaviour
-from nvproxy.testing.harness import facade_url
-from tests.test_forwarding import MemoryProxyTestCase
+from nvproxy.testing.harness import facade_url, nvproxyctl
+from tests.test_forwarding import MemoryProxyTestCase, ProxyTestCase
 
 _GENERATED = re.compile(r"[0-9a-f]{32}")
 
@@ -115,3 +115,23 @@ class RequestIdTests(MemoryProxyTestCase):
         self.assertEqual(
             (seen.get("traceparent"), seen.get("tracestate")), (parent, state)
         )
+
+
+class CtlTests(ProxyTestCase):
+    async def test_workloads_show_the_id(self) -> None:
+        """
+        C{nvproxyctl workloads} shows each workload's request id.
+        """
+        fake = await self.engine("openai", ["m"])
+        proxy = await self.proxy({"lmstudio": fake.url}, admin=True)
+        code, _h, _b = await self.post(
+            facade_url(proxy, "lmstudio") + "/v1/chat/completions",
+            {"model": "m", "messages": []},
+            {"Content-Type": ["application/json"], "X-Request-Id": ["ctl-id-1"]},
+        )
+        self.assertEqual(code, 200)
+        code, out = await nvproxyctl(
+            f"127.0.0.1:{proxy.admin.bound_port()}", "workloads", "--limit", "1"
+        )
+        self.assertEqual(code, 0, out)
+        self.assertIn("ctl-id-1", out)
