@@ -71,12 +71,14 @@ class Accounting:
         awake: Awake | None = None,
         requester: str | None = None,
         readiness: ReadinessOf | None = None,
+        request_id: str | None = None,
     ) -> RequestAccounting:
         """
         One request's accounting; C{readiness} (the facade backend's) orders
         owners by readiness after the pin and the priority list (C{awake},
         the older form, only awake before not); C{requester} is the name of
-        the API key the request came with.
+        the API key the request came with; C{request_id} goes in workload
+        events.
         """
         inference = kind is RouteKind.INFERENCE and model is not None
         self.in_flight[engine.id] = self.in_flight.get(engine.id, 0) + 1
@@ -85,8 +87,10 @@ class Accounting:
             engine,
             model,
             awake,
-            self.metrics.observer(self.clock, engine.id, kind.value, requester),
-            self.recorder.begin(engine.id, model, requester_id=requester)
+            self.metrics.observer(self.clock, engine.id, kind.value, model, requester),
+            self.recorder.begin(
+                engine.id, model, requester_id=requester, request_id=request_id
+            )
             if inference and model
             else None,
             ReservationTracker(self.reservations) if inference else None,
@@ -253,13 +257,13 @@ class RequestAccounting:
         self._done = True
         if self._reservations is not None:
             self._reservations.finished(outcome)
+        stats = None
+        status = self._committed_status
+        if self.meter is not None and status is not None and status < 400:
+            stats = self.meter.finish()
         if self._workload is not None:
-            stats = None
-            status = self._committed_status
-            if self.meter is not None and status is not None and status < 400:
-                stats = self.meter.finish()
             self._workload.finished(outcome, stats)
-        self._metrics.finished(outcome)
+        self._metrics.finished(outcome, stats)
 
     def _eject_suspect(self) -> None:
         node, self._suspect = self._suspect, None

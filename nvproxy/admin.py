@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from klein import Klein
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,6 +27,9 @@ from nvproxy.jsonhttp import json_bytes, set_json
 from nvproxy.logs import clip
 from nvproxy.ops import OperationError
 from nvproxy.proxy.urlgate import TextURLGate
+
+if TYPE_CHECKING:
+    from nvproxy.statuspage import StatusPage
 
 log = Logger()
 
@@ -84,10 +87,12 @@ def admin_app(
     registry: CollectorRegistry,
     *,
     vllm: bool = False,
+    status_page: StatusPage | None = None,
 ) -> Klein:
     """
     Build the admin app over C{backend}; C{vllm} adds the wake and sleep
-    routes (FD §6.5), which are not found on a node with no vLLM service.
+    routes (FD §6.5), which are not found on a node with no vLLM service;
+    C{status_page} adds the page at C{/} and C{/admin/events}.
     """
     app = Klein()
 
@@ -154,6 +159,10 @@ def admin_app(
         request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
         body: bytes = generate_latest(registry)
         return body
+
+    if status_page is not None:
+        # Before the catch-all below, which would otherwise answer C{/}.
+        status_page.install(app)
 
     @app.route("/", branch=True)
     def not_found(request: Any) -> bytes:

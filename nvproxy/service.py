@@ -69,6 +69,7 @@ from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.readiness import AWAKE, ModelReadiness
 from nvproxy.scheduler import ReservationMap
+from nvproxy.statuspage import StatusPage
 from nvproxy.vllm import VllmManager
 from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
 
@@ -276,7 +277,11 @@ class NvProxy(MultiService):
                 ) from None
             sinks.append(JsonLinesSink(self._workload_file))
         self.metrics = Metrics(
-            self.registry, self.ops.reservation_counts, self.outliers
+            self.registry,
+            self.ops.reservation_counts,
+            self.outliers,
+            known_model=self._advertised,
+            vllm_services=None if self.vllm is None else self.vllm.status,
         )
         self.accounting = Accounting(
             reactor,
@@ -297,12 +302,24 @@ class NvProxy(MultiService):
             for engine_config in config.engines.values():
                 if engine_config.enabled:
                     self._add_facade(engine_config)
+        self.status_page: StatusPage | None = None
         if config.admin_enabled:
             host, port = config.admin_listen
-            admin = admin_app(self.ops, self.registry, vllm=self.vllm is not None)
+            self.status_page = StatusPage(self.ops, reactor)
+            admin = admin_app(
+                self.ops,
+                self.registry,
+                vllm=self.vllm is not None,
+                status_page=self.status_page,
+            )
             site = _plain_site(admin_resource(admin), reactor, config.limits)
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
+
+    def _advertised(self, engine: str, model: str) -> bool:
+        """Whether some node advertises C{model} for C{engine} (metric labels)."""
+        entries = self.discovery.current.engines.get(engine, {})
+        return any(model in entry.models for entry in entries.values())
 
     # -- cluster ----------------------------------------------------------
 
@@ -516,6 +533,9 @@ class NvProxy(MultiService):
 
     def stopService(self) -> Deferred[Any]:
         self.dispatcher.shutdown()
+        if self.status_page is not None:
+            # Event streams never end on their own.
+            self.status_page.feed.close()
         d = super().stopService()  # type: ignore[no-untyped-call]
         stopped: Deferred[Any] = d if isinstance(d, Deferred) else succeed(None)
         stopped.addBoth(lambda _: self.upstream.close())

@@ -85,6 +85,7 @@ class WorkloadInfo:
     seq: int
     stats: Stats | None = None
     truncated: bool = False
+    requestId: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """
@@ -112,6 +113,8 @@ class WorkloadInfo:
             requesterId=self.requesterId,
             seq=self.seq,
         )
+        if self.requestId is not None:
+            out["requestId"] = self.requestId
         if self.truncated:
             out["truncated"] = True
         if self.stats is not None:
@@ -192,6 +195,7 @@ class WorkloadRecorder:
         *,
         requester_id: str | None = None,
         originated_from: str | None = None,
+        request_id: str | None = None,
     ) -> WorkloadTracker:
         """Start tracking one request; emits nothing until :meth:`admitted`."""
         self._ids += 1
@@ -209,6 +213,7 @@ class WorkloadRecorder:
             error=None,
             requesterId=requester_id,
             seq=0,
+            requestId=request_id,
         )
         return WorkloadTracker(self, info)
 

@@ -527,8 +527,8 @@ class KeyTests(AccessTestCase):
         code, _, metrics = await self.client.request("GET", admin + "/metrics")
         text = metrics.decode()
         self.assertIn(
-            'nvproxy_requests_total{engine="vllm",key="svc-a",outcome="completed",'
-            'route="inference"} 1.0',
+            'nvproxy_requests_total{engine="vllm",key="svc-a",model="m",node="local",'
+            'outcome="completed",route="inference"} 1.0',
             text,
         )
         self.assertNotIn(KEY, text)

@@ -209,8 +209,8 @@ class WorkloadTests(MemoryProxyTestCase):
         self.assertEqual(code, 200)
         text = body.decode()
         requests = (
-            'nvproxy_requests_total{engine="vllm",key="",outcome="completed",'
-            'route="inference"} 1.0'
+            'nvproxy_requests_total{engine="vllm",key="",model="m",node="local",'
+            'outcome="completed",route="inference"} 1.0'
         )
         self.assertIn(requests, text)
         self.assertIn('nvproxy_dispatch_attempts_total{engine="vllm"} 1.0', text)

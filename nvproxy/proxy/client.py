@@ -17,6 +17,7 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from nvproxy.jsonhttp import write_json
+from nvproxy.proxy.requestid import HEADER, request_id
 from nvproxy.proxy.upstream import end_to_end
 
 
@@ -50,6 +51,10 @@ class ClientSide:
             out.removeHeader(name)
         for name, values in end_to_end(headers).getAllRawHeaders():
             out.setRawHeaders(name, list(values))
+        rid = request_id(request)
+        if rid is not None:
+            # Ours, whatever the upstream answered with.
+            out.setRawHeaders(HEADER, [rid.encode("ascii")])
 
     def finish(self) -> None:
         if self.gone or self.request.finished:

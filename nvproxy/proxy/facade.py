@@ -51,6 +51,8 @@ from nvproxy.proxy.bodies import (
 from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.cors import is_preflight, origin_inventory, preflight
 from nvproxy.proxy.pathnorm import is_hidden, match_key, normalize_path
+from nvproxy.proxy.requestid import assign as assign_request_id
+from nvproxy.proxy.requestid import request_id
 from nvproxy.proxy.urlgate import TextURLGate
 
 log = Logger()
@@ -129,6 +131,7 @@ class _Front:
     # -- entry ------------------------------------------------------------
 
     def _handle(self, request: Any) -> Any:
+        assign_request_id(request)
         if _is_own(request.path):
             # nvproxy's own routes (the node record) exist in peer mode only.
             if self._own(request):
@@ -310,6 +313,7 @@ class Facade(_Front):
             kind,
             requester=caller_key(request),
             readiness=self.backend.readiness,
+            request_id=request_id(request),
         )
         # (The dispatcher resolves a non-inference request once, §5.1.)
         resolver = self._resolver(model, upstream, client, accounting)

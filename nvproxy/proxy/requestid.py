@@ -1,0 +1,61 @@
+# -*- test-case-name: tests.test_requestid -*-
+"""
+Request ids (C{X-Request-Id}).
+
+Every facade request gets one as it arrives: the client's own if it is 1 to
+128 printable ASCII characters (one header value), else a fresh random one.
+The id is set on the request headers (so it goes upstream with the rest),
+on the response headers (also after the upstream's headers are copied) and
+is kept on the request object, where L{request_id} reads it back (workload
+events, log lines).  W3C C{traceparent} / C{tracestate} are end-to-end
+headers and pass through untouched like any other.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+__all__ = ["HEADER", "assign", "request_id", "valid"]
+
+HEADER = b"x-request-id"
+
+_ATTRIBUTE = "_nvproxy_request_id"
+_VALID = re.compile(rb"[\x20-\x7e]{1,128}")
+
+
+def valid(value: bytes) -> bool:
+    """Whether C{value} is an id worth keeping: 1-128 printable ASCII."""
+    return _VALID.fullmatch(value) is not None
+
+
+def new_id() -> str:
+    """A fresh id: 32 hex digits of randomness (no clock, no node)."""
+    return secrets.token_hex(16)
+
+
+def assign(request: Any) -> str:
+    """
+    Give C{request} its id (once; a second call returns the same one) and
+    set it on the request and response headers.
+    """
+    existing = request_id(request)
+    if existing is not None:
+        return existing
+    values = request.requestHeaders.getRawHeaders(HEADER) or []
+    if len(values) == 1 and valid(values[0].strip()):
+        rid = bytes(values[0]).strip().decode("ascii")
+    else:
+        rid = new_id()
+    raw = rid.encode("ascii")
+    request.requestHeaders.setRawHeaders(HEADER, [raw])
+    request.responseHeaders.setRawHeaders(HEADER, [raw])
+    setattr(request, _ATTRIBUTE, rid)
+    return rid
+
+
+def request_id(request: Any) -> str | None:
+    """The id L{assign} gave C{request}, or C{None}."""
+    rid = getattr(request, _ATTRIBUTE, None)
+    return rid if isinstance(rid, str) else None
