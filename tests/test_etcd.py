@@ -35,7 +35,6 @@ class WireTests(SynchronousTestCase):
         self.assertEqual(prefix_end(b"\xff\xff"), b"\0")
 
     def test_events(self) -> None:
-        k1, k2 = _b64(b"k1"), _b64(b"k2")
         message = {
             "result": {
                 "header": {"revision": "7"},
