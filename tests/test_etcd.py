@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from hypothesis import given
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvproxy.etcd import Compacted, EtcdRefused, WatchEvent, prefix_end
+from nvproxy.etcd import (
+    Compacted,
+    EtcdDiscovery,
+    EtcdRefused,
+    WatchEvent,
+    encode_record,
+    prefix_end,
+)
 from nvproxy.etcd._client import LineSplitter, parse_watch_message
 from nvproxy.etcd._session import Session, SessionSettings
 from nvproxy.testing.fakeetcd import FakeEtcd
@@ -283,3 +292,98 @@ class ScaleTests(SynchronousTestCase):
         self.assertEqual(set(per_node.values()), {1})
         self.assertEqual(len(per_node), 1000)
         self.assertEqual(json.loads(nodes[0].session.records["n0500"])["generation"], 2)
+
+
+class ProviderTests(SynchronousTestCase):
+    """L{EtcdDiscovery}: decoded records, handed on once per turn."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.store = FakeEtcd(self.clock)
+        self.registry = CollectorRegistry()
+        self.applied: list[dict[str, object]] = []
+        self.record: dict[str, object] = {"version": 1, "node": "a", "generation": 1}
+        self.subscribers: list[Callable[[], None]] = []
+        self.provider = EtcdDiscovery(
+            self.store.client("a"),
+            self.clock,
+            SETTINGS,
+            "a",
+            lambda: self.record,
+            self._subscribe,
+            lambda records: self.applied.append(dict(records)),
+            registry=self.registry,
+        )
+        self.logged: list[dict[str, object]] = []
+        globalLogPublisher.addObserver(self.logged.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.logged.append)
+
+    def _subscribe(self, changed: Callable[[], None]) -> Callable[[], None]:
+        self.subscribers.append(changed)
+        return lambda: self.subscribers.remove(changed)
+
+    def put(self, node: str, value: bytes) -> None:
+        self.store.client("op").put(b"/nvproxy/nodes/" + node.encode(), value, 0)
+
+    def test_other_nodes_decoded_and_coalesced(self) -> None:
+        self.provider.startService()
+        self.put("b", encode_record({"node": "b", "generation": 1}))
+        self.put("c", encode_record({"node": "c", "generation": 1}))
+        self.assertEqual(self.applied, [])
+        self.clock.advance(0)
+        self.assertEqual(
+            self.applied,
+            [
+                {
+                    "b": {"node": "b", "generation": 1},
+                    "c": {"node": "c", "generation": 1},
+                }
+            ],
+        )
+
+    def test_record_change_is_put(self) -> None:
+        self.provider.startService()
+        self.record = {"version": 1, "node": "a", "generation": 2}
+        for changed in self.subscribers:
+            changed()
+        self.assertEqual(
+            json.loads(self.store.keys()[b"/nvproxy/nodes/a"])["generation"], 2
+        )
+
+    def test_malformed_logged_once_per_change(self) -> None:
+        self.provider.startService()
+        self.put("b", b"{not json")
+        self.put("b", b"[1]")
+        self.clock.advance(0)
+        self.put("b", encode_record({"node": "b"}))
+        self.put("b", b"nope")
+        self.clock.advance(0)
+        warned = [e for e in self.logged if e.get("log_level") == LogLevel.warn]
+        self.assertEqual(len(warned), 2)
+        self.assertEqual(self.applied[-1], {})
+
+    def test_stop_revokes_and_unsubscribes(self) -> None:
+        self.provider.startService()
+        self.successResultOf(self.provider.stopService())
+        self.assertEqual(self.subscribers, [])
+        self.assertNotIn(b"/nvproxy/nodes/a", self.store.keys())
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_metrics(self) -> None:
+        self.provider.startService()
+        self.store.stop()
+        self.clock.advance(5)
+        self.store.start()
+        self.clock.pump([1.0] * 12)
+        families = {
+            m.name: m
+            for m in text_string_to_metric_families(
+                generate_latest(self.registry).decode()
+            )
+        }
+        self.assertEqual(families["nvproxy_etcd_watch_connects"].samples[0].value, 2)
+        self.assertEqual(families["nvproxy_etcd_records"].samples[0].value, 1)
+        self.assertEqual(
+            families["nvproxy_discovery_snapshot_age_seconds"].samples[0].value, 0
+        )
+        self.assertIn("nvproxy_etcd_keepalive_failures", families)

@@ -17,9 +17,17 @@ from nvproxy.etcd._client import (
     WatchEvent,
     prefix_end,
 )
+from nvproxy.etcd._provider import EtcdDiscovery, Records, encode_record, etcd_tls
+from nvproxy.etcd._session import Session, SessionSettings
 
 __all__ = [
     "Compacted",
+    "EtcdDiscovery",
+    "Records",
+    "Session",
+    "SessionSettings",
+    "encode_record",
+    "etcd_tls",
     "EtcdApi",
     "EtcdClient",
     "EtcdRefused",

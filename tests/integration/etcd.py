@@ -37,12 +37,21 @@ class Etcd:
     as an operator's restart would.
     """
 
-    def __init__(self, reactor: Any, data_dir: str) -> None:
+    def __init__(
+        self, reactor: Any, data_dir: str, tls: tuple[str, str, str] | None = None
+    ) -> None:
+        """
+        @param tls: (server certificate, its key, client CA) PEM files: etcd
+            then serves https and requires a client certificate.
+        """
         self._reactor = reactor
         self._data_dir = data_dir
+        self._tls = tls
         self.client_port = free_port()
         self.peer_port = free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.metrics_port = free_port()
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.client_port}"
         self._process: _ServerProcess | None = None
         self._transport: IProcessTransport | None = None
 
@@ -74,6 +83,23 @@ class Etcd:
             "--log-level",
             "warn",
         ]
+        health = self.url + "/health"
+        if self._tls is not None:
+            cert, key, ca = self._tls
+            argv += [
+                "--cert-file",
+                cert,
+                "--key-file",
+                key,
+                "--trusted-ca-file",
+                ca,
+                "--client-cert-auth",
+                # health on a plain metrics listener: the test's own probe
+                # has no client certificate
+                "--listen-metrics-urls",
+                f"http://127.0.0.1:{self.metrics_port}",
+            ]
+            health = f"http://127.0.0.1:{self.metrics_port}/health"
         process = self._process = _ServerProcess()
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -83,7 +109,7 @@ class Etcd:
         try:
             await wait_healthy(
                 self._reactor,
-                self.url + "/health",
+                health,
                 within=20.0,
                 interval=0.05,
                 alive=lambda: not process.exited,
@@ -118,3 +144,78 @@ class Etcd:
 
     def stop(self, signal: str = "TERM") -> Deferred[None]:
         return Deferred.fromCoroutine(self._stop(signal))
+
+
+def make_tls(directory: str) -> dict[str, str]:
+    """
+    A CA, a server certificate for 127.0.0.1 and a client certificate, as
+    PEM files in C{directory}: keys C{ca}, C{server}, C{server_key},
+    C{client}, C{client_key}.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    os.makedirs(directory, exist_ok=True)
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    def write(file: str, data: bytes) -> str:
+        path = os.path.join(directory, file)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("test etcd CA"))
+        .issuer_name(name("test etcd CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = {"ca": write("ca.pem", ca.public_bytes(serialization.Encoding.PEM))}
+    # etcd's JSON gateway dials etcd's own gRPC with the server certificate,
+    # so with client certificates required that one must be a client too
+    for who, usage in (
+        ("server", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+        ("client", [ExtendedKeyUsageOID.CLIENT_AUTH]),
+    ):
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(f"test etcd {who}"))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+        )
+        cert = builder.sign(ca_key, hashes.SHA256())
+        paths[who] = write(f"{who}.pem", cert.public_bytes(serialization.Encoding.PEM))
+        paths[f"{who}_key"] = write(f"{who}.key", key_pem(key))
+    return paths

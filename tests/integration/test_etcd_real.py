@@ -13,11 +13,11 @@ from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.trial.unittest import TestCase
 
-from nvproxy.etcd import Compacted, EtcdClient, WatchBatch
+from nvproxy.etcd import Compacted, EtcdClient, EtcdUnavailable, WatchBatch, etcd_tls
 from nvproxy.etcd._session import Session, SessionSettings
 from nvproxy.proxy.upstream import Upstream
 from nvproxy.testing.harness import eventually, free_port
-from tests.integration.etcd import Etcd, skip_reason
+from tests.integration.etcd import Etcd, make_tls, skip_reason
 
 reactor: Any = _reactor
 
@@ -153,5 +153,50 @@ class SessionTests(_RealEtcdCase):
                 attempts=600,
                 what="a to resync and see c",
             )
+
+        return ensureDeferred(run())
+
+
+class TlsTests(TestCase):
+    """etcd over https with a client certificate, on the shared pool."""
+
+    timeout = 60
+
+    def test_client_certificate(self) -> Deferred[None]:
+        reason = skip_reason()
+        if reason is not None:
+            self.skipTest(reason)
+        base = self.mktemp()
+        tls = make_tls(os.path.join(base, "tls"))
+        etcd = Etcd(
+            reactor,
+            os.path.join(base, "etcd"),
+            tls=(tls["server"], tls["server_key"], tls["ca"]),
+        )
+
+        async def run() -> None:
+            await etcd.start()
+            self.addCleanup(etcd.stop)
+            with_cert = Upstream(
+                reactor,
+                2.0,
+                tls_for=etcd_tls(
+                    (etcd.url,), tls["client"], tls["client_key"], tls["ca"]
+                ),
+            )
+            self.addCleanup(with_cert.close)
+            client = EtcdClient(with_cert.treq, reactor, [etcd.url], timeout=2.0)
+            await client.put(b"/t/x", b"1", 0)
+            got = await client.range_prefix(b"/t/")
+            self.assertEqual([kv.value for kv in got.kvs], [b"1"])
+            without = Upstream(
+                reactor,
+                2.0,
+                tls_for=etcd_tls((etcd.url,), None, None, tls["ca"]),
+            )
+            self.addCleanup(without.close)
+            refused = EtcdClient(without.treq, reactor, [etcd.url], timeout=2.0)
+            with self.assertRaises(EtcdUnavailable):
+                await refused.put(b"/t/x", b"2", 0)
 
         return ensureDeferred(run())
