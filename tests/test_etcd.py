@@ -11,9 +11,9 @@ import json
 from collections.abc import Callable, Mapping
 
 from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase

@@ -161,7 +161,7 @@ def make_tls(directory: str) -> dict[str, str]:
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     os.makedirs(directory, exist_ok=True)
-    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 
     def name(text: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
