@@ -98,7 +98,7 @@ class EtcdDiscovery(Service):
         random: Callable[[], float] = lambda: 0.5,
         endpoint: Callable[[], str] = lambda: "",
     ) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self._clock = clock
         self._node_id = node_id
         self._record = record
