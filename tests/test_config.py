@@ -29,6 +29,7 @@ from nvproxy.config import (
     ConfigErrors,
     DispatchConfig,
     EngineConfig,
+    EtcdConfig,
     LimitsConfig,
     NodeConfig,
     Options,
@@ -1475,6 +1476,11 @@ class SettingsTableTests(LoadTestsMixin):
             'access.plaintext_from = ["10.0.0.0/8", "fd00::/8"]',
         ),
         "api-keys-file": ("/k", 'access.api_keys_file = "/k"'),
+        "discovery": ("etcd", 'discovery.provider = "etcd"'),
+        "etcd-endpoints": (
+            "http://10.0.0.1:2379, http://10.0.0.2:2379",
+            'discovery.endpoints = ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]',
+        ),
     }
 
     def test_flag_env_and_file_agree(self) -> None:
@@ -1533,6 +1539,14 @@ class SettingsTableTests(LoadTestsMixin):
                 "dispatch.eject_max": "30s",
                 "dispatch.stream_idle_timeout": "0s",
                 "discovery.poll_interval": "2s",
+                "discovery.provider": "mesh",
+                "discovery.endpoints": "http://127.0.0.1:2379",
+                "discovery.prefix": "/nvproxy/",
+                "discovery.lease_ttl": "10s",
+                "discovery.trust": "pinned",
+                "discovery.tls.cert": "none",
+                "discovery.tls.key": "none",
+                "discovery.tls.ca": "none",
                 "limits.max_body": "64MiB",
                 "limits.max_connections": "4096",
                 "limits.header_timeout": "30s",
@@ -1609,6 +1623,52 @@ class ReadmeTests(LoadTestsMixin):
         config = load_config(self.write(_readme_example()), {}, ENV)
         self.assertEqual(config.engines["vllm"].services[0].name, "text")
         self.assertEqual(config.workload_log, "/var/log/nvproxy/workloads.jsonl")
+
+
+class EtcdDiscoveryConfigTests(LoadTestsMixin):
+    """C{[discovery] provider = "etcd"} and its keys."""
+
+    def test_etcd(self) -> None:
+        config = self.load(
+            "[discovery]\nprovider = 'etcd'\nendpoints = ['http://10.0.0.1:2379']\n"
+            "prefix = '/fleet/'\nlease_ttl = '6s'\nadvertise_address = '10.0.0.7'\n"
+            "trust = 'etcd'\n[discovery.tls]\ncert = '/c.pem'\nkey = '/k.pem'\n"
+            "ca = '/ca.pem'\n"
+        )
+        self.assertEqual(config.discovery_provider, "etcd")
+        self.assertEqual(
+            config.etcd,
+            EtcdConfig(
+                ("http://10.0.0.1:2379",),
+                "/fleet/",
+                6.0,
+                "etcd",
+                "/c.pem",
+                "/k.pem",
+                "/ca.pem",
+            ),
+        )
+        self.assertEqual(config.advertise_address, "10.0.0.7")
+
+    def test_errors(self) -> None:
+        with self.assertRaises(ConfigErrors) as raised:
+            self.load(
+                "[discovery]\nprovider = 'etcd'\nprefix = 'fleet'\ntrust = 'x'\n"
+                "endpoints = ['http://a:1', 'http://a:1']\n"
+                "tls = { cert = '/c.pem' }\n[cluster]\ndir = '/c'\n"
+            )
+        self.assertEqual(
+            [str(e) for e in raised.exception.errors],
+            [
+                'discovery.endpoints[1]: duplicate endpoint "http://a:1"',
+                'discovery.prefix: must start and end with /, got "fleet"',
+                'discovery.trust: must be "pinned" or "etcd", got "x"',
+                "discovery.advertise_address: required with discovery.provider ="
+                ' "etcd" and a cluster dir: peers dial this node there',
+                "discovery.tls.key: discovery.tls.cert and discovery.tls.key go"
+                " together",
+            ],
+        )
 
 
 class EveryErrorTests(LoadTestsMixin):

@@ -518,6 +518,7 @@ def load_config(
     config: Config = _fill(defaults, TOP, read)
     _check_ejection(config, read, problems)
     _check_admin_port(config, read, problems)
+    _check_etcd(config, read, problems)
     if problems:
         raise ConfigErrors(problems.errors)
     return config
@@ -535,6 +536,29 @@ def _check_ejection(config: Config, read: _Read, problems: _Problems) -> None:
         raw = read.raws[base]
         problem = f"must not be above {maximum}, got {show(raw.raw)}"
     problems.add(ConfigError(raw.key, problem))
+
+
+def _check_etcd(config: Config, read: _Read, problems: _Problems) -> None:
+    if config.discovery_provider != "etcd" or not read.fine("discovery.provider"):
+        return
+    etcd = config.etcd
+    if config.cluster_dir is not None and config.advertise_address is None:
+        raw = read.raws.get("discovery.provider")
+        key = raw.key if raw is not None else "discovery.provider"
+        problems.add(
+            ConfigError(
+                "discovery.advertise_address",
+                f'required with {key} = "etcd" and a cluster dir:'
+                " peers dial this node there",
+            )
+        )
+    if (etcd.cert is None) != (etcd.key is None):
+        problems.add(
+            ConfigError(
+                "discovery.tls.key" if etcd.key is None else "discovery.tls.cert",
+                "discovery.tls.cert and discovery.tls.key go together",
+            )
+        )
 
 
 def _check_admin_port(config: Config, read: _Read, problems: _Problems) -> None:

@@ -162,8 +162,12 @@ def table(value: Raw) -> dict[str, object]:
 
 def items(value: Raw) -> list[Raw]:
     """
-    The items of an array, each named by its index (C{"nodes[2]"}).
+    The items of an array, each named by its index (C{"nodes[2]"}); from a
+    flag or the environment, comma-separated items (as L{plain} writes them).
     """
+    if value.text and isinstance(value.raw, str):
+        parts = [part.strip() for part in value.raw.split(",")]
+        return [Raw(part, value.key, text=True) for part in parts if part]
     if not isinstance(value.raw, list):
         raise ConfigError(value.key, f"must be an array, got {show(value.raw)}")
     return [Raw(item, f"{value.key}[{index}]") for index, item in enumerate(value.raw)]
@@ -462,6 +466,19 @@ def _backoff(value: Raw) -> tuple[float, ...]:
 
 
 STRING: Final = Parser(read_string)
+
+
+def _etcd_prefix(value: Raw) -> str:
+    """A key prefix: starts and ends with C{/}."""
+    text = read_string(value)
+    if not (text.startswith("/") and text.endswith("/")):
+        raise ConfigError(
+            value.key, f"must start and end with /, got {show(value.raw)}"
+        )
+    return text
+
+
+ETCD_PREFIX: Final = Parser(_etcd_prefix)
 PATH: Final = Parser(_path)
 BOOL: Final = Parser(_bool)
 URL: Final = Parser(_url)

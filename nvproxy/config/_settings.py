@@ -25,6 +25,7 @@ from nvproxy.config._parse import (
     BACKOFF,
     BOOL,
     ENGINE_URLS,
+    ETCD_PREFIX,
     IDENTIFIER,
     INTERFACE,
     LOOPBACK,
@@ -414,6 +415,49 @@ TOP: Final = Section(
             duration(zero=False),
             "Inventory polling of every node; vLLM state polls.",
             into="discovery_poll_interval",
+        ),
+        Setting(
+            "discovery.provider",
+            choice("mesh", "etcd", "static"),
+            "Where peers' node records come from: polling every pinned peer,"
+            " an etcd prefix, or nowhere (configured nodes only).",
+            flag="discovery",
+            into="discovery_provider",
+        ),
+        Setting(
+            "discovery.endpoints",
+            array(URL, unique="endpoint"),
+            "etcd client URLs, tried in turn.",
+            flag="etcd-endpoints",
+            into="etcd.endpoints",
+        ),
+        Setting(
+            "discovery.prefix", ETCD_PREFIX, "etcd key prefix.", into="etcd.prefix"
+        ),
+        Setting(
+            "discovery.lease_ttl",
+            duration(zero=False),
+            "How long this node's etcd record outlives its last keep-alive.",
+            into="etcd.lease_ttl",
+        ),
+        Setting(
+            "discovery.trust",
+            choice("pinned", "etcd"),
+            'Dial nodes seen in etcd only if the cluster dir pins them, or "etcd":'
+            " pin the fingerprint their record carries.",
+            into="etcd.trust",
+        ),
+        Setting(
+            "discovery.tls.cert", PATH, "Client certificate for etcd.", into="etcd.cert"
+        ),
+        Setting("discovery.tls.key", PATH, "Its key.", into="etcd.key"),
+        Setting("discovery.tls.ca", PATH, "CA of etcd's server.", into="etcd.ca"),
+        Setting(
+            "discovery.advertise_address",
+            STRING,
+            "This node's address for peers, published in its etcd record.",
+            into="advertise_address",
+            default="none",
         ),
         Setting("limits.max_body", SIZE, "Largest request body; 413 beyond."),
         Setting(

@@ -173,6 +173,30 @@ class NodeConfig:
 
 
 @frozen
+class EtcdConfig:
+    """
+    Discovery through etcd (C{[discovery] provider = "etcd"}).
+
+    @ivar endpoints: etcd client URLs, tried in turn.
+    @ivar prefix: the key prefix; records live at C{PREFIX + "nodes/" + id}.
+    @ivar lease_ttl: seconds a record outlives its node's last keep-alive.
+    @ivar trust: C{"pinned"}: a node seen in etcd is dialed only if the
+        cluster dir pins it; C{"etcd"}: the fingerprint in its record is
+        pinned (whoever can write to etcd can join).
+    @ivar cert: a client certificate for etcd (PEM), with C{key}.
+    @ivar ca: the CA that signed etcd's server certificate (PEM).
+    """
+
+    endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
+    prefix: str = "/nvproxy/"
+    lease_ttl: float = 10.0
+    trust: str = "pinned"
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+
+@frozen
 class Config:
     """
     Everything nvproxy is configured with.
@@ -196,6 +220,9 @@ class Config:
     admin_enabled: bool = True
     dispatch: DispatchConfig = DispatchConfig()
     discovery_poll_interval: float = 2.0
+    discovery_provider: str = "mesh"
+    etcd: EtcdConfig = EtcdConfig()
+    advertise_address: str | None = None
     limits: LimitsConfig = LimitsConfig()
     cluster_dir: str | None = None
     nodes: tuple[NodeConfig, ...] = ()
