@@ -193,6 +193,7 @@ class PollingDiscovery(Service):
         self._endpoints: tuple[Endpoint, ...] = tuple(endpoints)
         self._static = dict(static_models or {})
         self._answers: dict[Endpoint, frozenset[str]] = {}
+        self._fed: Mapping[str, Mapping[str, NodeEntry]] = {}
         self._inflight: dict[Endpoint, Deferred[None]] = {}
         self._waiters: dict[Endpoint, list[Deferred[None]]] = {}
         self._loop = LoopingCall(self.poll)
@@ -294,6 +295,15 @@ class PollingDiscovery(Service):
         d.addBoth(settled)
         return d
 
+    def set_fed(self, engines: Mapping[str, Mapping[str, NodeEntry]]) -> None:
+        """
+        Entries another provider knows without polling (etcd-fed peers),
+        published with the polled ones (a polled entry of the same node
+        wins) and annotated like them; publishes at once.
+        """
+        self._fed = engines
+        self._publish()
+
     def republish(self) -> None:
         """
         Publish again from the last answers: readiness or draining changed
@@ -318,4 +328,11 @@ class PollingDiscovery(Service):
             if self._annotate is not None:
                 entry = self._annotate(engine_id, entry)
             engines.setdefault(engine_id, {})[node_id] = entry
+        for engine_id, fed in self._fed.items():
+            for node_id, entry in fed.items():
+                if node_id in engines.get(engine_id, {}):
+                    continue
+                if self._annotate is not None:
+                    entry = self._annotate(engine_id, entry)
+                engines.setdefault(engine_id, {})[node_id] = entry
         self.discovery.publish(engines)

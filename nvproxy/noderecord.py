@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from attrs import evolve, field, frozen
 from twisted.application.service import Service
@@ -448,6 +448,13 @@ class PeerRecords(Service):
 # -- the fleet --------------------------------------------------------------
 
 
+class PeerRecordSource(Protocol):
+    """Where peers' last records are: L{PeerRecords} (the mesh) or etcd."""
+
+    @property
+    def records(self) -> Mapping[str, NodeRecord]: ...
+
+
 class Fleet:
     """
     What this node knows of every node's readiness and draining: its own
@@ -457,7 +464,7 @@ class Fleet:
     def __init__(
         self,
         local: LocalRecord,
-        peers: PeerRecords | None = None,
+        peers: PeerRecordSource | None = None,
     ) -> None:
         self.local = local
         self.peers = peers

@@ -120,9 +120,11 @@ class Operations:
         vllm: VllmManager | None = None,
         fleet: Fleet | None = None,
         drain: DrainState | None = None,
+        discovery_status: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self._fleet = fleet
         self._drain = drain
+        self._discovery_status = discovery_status
         self._node_id = node_id
         self._clock = clock
         self._discovery = discovery
@@ -371,6 +373,9 @@ class Operations:
             "process": self._process_status(),
             "draining": self._drain.draining if self._drain is not None else False,
             "records": self._fleet.records() if self._fleet is not None else [],
+            "discovery": dict(self._discovery_status())
+            if self._discovery_status is not None
+            else {"provider": "mesh"},
         }
 
     def _process_status(self) -> dict[str, int | None]:

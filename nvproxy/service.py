@@ -11,6 +11,7 @@ import random
 import secrets
 import socket
 import sys
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from attrs import evolve
@@ -31,6 +32,7 @@ from nvproxy.cluster import (
     ClientTLS,
     ClusterDir,
     ClusterError,
+    ClusterState,
     ClusterWatcher,
     ServerTLS,
 )
@@ -47,6 +49,15 @@ from nvproxy.discovery import Discovery, Endpoint, PollingDiscovery
 from nvproxy.dispatch import Dispatcher
 from nvproxy.drain import DrainState
 from nvproxy.engines import ENGINES, Engine
+from nvproxy.etcd import (
+    EtcdClient,
+    EtcdDiscovery,
+    EtcdPeers,
+    Records,
+    SessionSettings,
+    etcd_document,
+    etcd_tls,
+)
 from nvproxy.keyring import KeyFileError, KeyRing
 from nvproxy.metrics import Metrics
 from nvproxy.noderecord import (
@@ -120,12 +131,15 @@ class NvProxy(MultiService):
         super().__init__()  # type: ignore[no-untyped-call]
         self.config = config
         self.cluster = cluster
+        self._etcd_tls: (
+            Callable[[str, int], IOpenSSLClientConnectionCreator | None] | None
+        ) = None
         self.server_tls: ServerTLS | None = None
         if cluster is not None:
             cluster.setServiceParent(self)  # type: ignore[no-untyped-call]
             # Always, so a node that joins later needs no restart (§7): with
             # no identity yet every handshake simply fails.
-            self.server_tls = ServerTLS(lambda: cluster.current)
+            self.server_tls = ServerTLS(self._cluster_state)
         self.reactor = reactor
         self.node_id = node_id
         # Node selections survive a restart (nvproxy.ports.SelectionStore).
@@ -197,14 +211,24 @@ class NvProxy(MultiService):
             draining=lambda: self.drain.draining,
         )
         self.peer_records: PeerRecords | None = None
-        if cluster is not None:
+        # etcd (issue: fleets): peers' records from an etcd prefix, no peer
+        # polled; "static": configured nodes only.
+        self.etcd_peers: EtcdPeers | None = None
+        if config.discovery_provider == "etcd":
+            self.etcd_peers = EtcdPeers(
+                node_id,
+                config.etcd.trust,
+                lambda: cluster.current if cluster is not None else None,
+                lambda: [e for e, c in self.engine_configs.items() if c.enabled],
+            )
+        elif cluster is not None and config.discovery_provider == "mesh":
             self.peer_records = PeerRecords(
                 self.inventory_client,
                 reactor,
                 config.discovery_poll_interval,
                 changed=self._readiness_changed,
             )
-        self.fleet = Fleet(self.record, self.peer_records)
+        self.fleet = Fleet(self.record, self.peer_records or self.etcd_peers)
         self.polling = PollingDiscovery(
             self.discovery,
             self.inventory_client,
@@ -219,6 +243,10 @@ class NvProxy(MultiService):
         if self.peer_records is not None:
             self.peer_records.set_peers(self._record_urls())
             self.peer_records.setServiceParent(self)  # type: ignore[no-untyped-call]
+        self.etcd: EtcdDiscovery | None = None
+        if self.etcd_peers is not None:
+            self.etcd = self._etcd(config, reactor, node_id)
+            self.etcd.setServiceParent(self)  # type: ignore[no-untyped-call]
         self.drain.subscribe(self._readiness_changed)
         if self.vllm is not None:
             self.vllm.subscribe(self._readiness_changed)
@@ -256,6 +284,7 @@ class NvProxy(MultiService):
             vllm=self.vllm,
             fleet=self.fleet,
             drain=self.drain,
+            discovery_status=self._discovery_status,
         )
         sinks: list[WorkloadSink] = [self.workloads]
         self.link: ControlLink | None = None
@@ -329,6 +358,9 @@ class NvProxy(MultiService):
         (when this node is a cluster member) every peer's facades over mTLS.
         """
         endpoints = local_endpoints(self.config, self.node_id)
+        if self.config.discovery_provider != "mesh":
+            # etcd-fed peers are never polled (PollingDiscovery.set_fed)
+            return endpoints
         if self.cluster is not None and self.cluster.current.member:
             for peer in self.cluster.current.peers:
                 host = f"[{peer.address}]" if ":" in peer.address else peer.address
@@ -386,14 +418,70 @@ class NvProxy(MultiService):
         self.polling.republish()
         self.record.refresh()
 
+    # -- etcd -------------------------------------------------------------
+
+    def _etcd(self, config: Config, reactor: Any, node_id: str) -> EtcdDiscovery:
+        etcd = config.etcd
+        self._etcd_tls = etcd_tls(etcd.endpoints, etcd.cert, etcd.key, etcd.ca)
+        client = EtcdClient(self.upstream.treq, reactor, etcd.endpoints)
+
+        def document() -> dict[str, Any]:
+            fingerprint = None
+            if self.cluster is not None and self.cluster.current.identity:
+                fingerprint = str(self.cluster.current.identity.fingerprint)
+            return etcd_document(
+                encode(self.record.current()), config.advertise_address, fingerprint
+            )
+
+        def subscribe(changed: Callable[[], None]) -> Callable[[], None]:
+            return self.record.subscribe(lambda _record: changed())
+
+        return EtcdDiscovery(
+            client,
+            reactor,
+            SessionSettings(etcd.prefix, etcd.lease_ttl),
+            node_id,
+            document,
+            subscribe,
+            self._etcd_records,
+            registry=self.registry,
+            random=random.Random().random,
+            endpoint=lambda: client.endpoint,
+        )
+
+    def _etcd_records(self, documents: Records) -> None:
+        """Every other node's record, as etcd has it now."""
+        assert self.etcd_peers is not None
+        entries = self.etcd_peers.apply(documents)
+        # new peers' addresses and pins: connections to the old ones go
+        self.upstream.pool.closeCachedConnections()
+        self.polling.set_fed(entries)
+        self.record.refresh()
+
+    def _discovery_status(self) -> Mapping[str, Any]:
+        if self.etcd is not None:
+            return self.etcd.status()
+        return {"provider": self.config.discovery_provider}
+
+    def _cluster_state(self) -> ClusterState:
+        """The cluster dir's pins, with the peers etcd names (their
+        addresses and, with trust = "etcd", their pins)."""
+        assert self.cluster is not None
+        state = self.cluster.current
+        if self.etcd_peers is not None:
+            state = self.etcd_peers.cluster_state(state)
+        return state
+
     def _peer_tls(self, host: str, port: int) -> IOpenSSLClientConnectionCreator | None:
         """
         The client TLS for dialing C{host}:C{port}: pinned mTLS when it is a
         peer, else C{None} (ordinary verification, e.g. an https direct node).
         """
+        if self._etcd_tls is not None and (found := self._etcd_tls(host, port)):
+            return found
         if self.cluster is None:
             return None
-        state = self.cluster.current
+        state = self._cluster_state()
         peer = state.peer_at(host, port)
         if peer is None or state.identity is None:
             return None

@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
@@ -387,3 +389,51 @@ class ProviderTests(SynchronousTestCase):
             families["nvproxy_discovery_snapshot_age_seconds"].samples[0].value, 0
         )
         self.assertIn("nvproxy_etcd_keepalive_failures", families)
+
+
+class ChangeDuringCallTests(SynchronousTestCase):
+    """A record change is never lost while a call is in flight."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.store = FakeEtcd(self.clock)
+        self.node = _Node(self.store, self.clock, "a")
+        self.held: list[Any] = []
+
+    def hold(self, method: str) -> None:
+        """Make the next C{method} call wait for L{release}."""
+        client = self.node.session._core.api
+        original = getattr(client, method)
+
+        def held(*args: Any) -> Deferred[Any]:
+            setattr(client, method, original)
+            d: Deferred[Any] = Deferred()
+            self.held.append((d, original, args))
+            return d
+
+        setattr(client, method, held)
+
+    def release(self) -> None:
+        d, original, args = self.held.pop(0)
+        original(*args).chainDeferred(d)
+
+    def stored(self) -> int:
+        return int(json.loads(self.store.keys()[b"/nvproxy/nodes/a"])["generation"])
+
+    def test_change_during_keepalive(self) -> None:
+        self.node.session.start()
+        self.hold("keepalive")
+        self.clock.advance(SETTINGS.lease_ttl / 3)
+        self.node.change(2)
+        self.assertEqual(self.stored(), 1, "not put while the keep-alive runs")
+        self.release()
+        self.assertEqual(self.stored(), 2)
+
+    def test_change_during_connect(self) -> None:
+        self.hold("range_prefix")
+        self.node.session.start()
+        self.assertEqual(self.node.session.state, "connecting")
+        self.node.change(2)
+        self.release()
+        self.assertEqual(self.node.session.state, "live")
+        self.assertEqual(self.stored(), 2)

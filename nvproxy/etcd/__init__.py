@@ -17,6 +17,7 @@ from nvproxy.etcd._client import (
     WatchEvent,
     prefix_end,
 )
+from nvproxy.etcd._fleet import EtcdPeers, etcd_document
 from nvproxy.etcd._provider import EtcdDiscovery, Records, encode_record, etcd_tls
 from nvproxy.etcd._session import Session, SessionSettings
 
@@ -25,6 +26,7 @@ __all__ = [
     "EtcdApi",
     "EtcdClient",
     "EtcdDiscovery",
+    "EtcdPeers",
     "EtcdRefused",
     "EtcdUnavailable",
     "KeyValue",
@@ -36,6 +38,7 @@ __all__ = [
     "WatchBatch",
     "WatchEvent",
     "encode_record",
+    "etcd_document",
     "etcd_tls",
     "prefix_end",
 ]

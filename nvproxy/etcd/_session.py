@@ -254,6 +254,9 @@ class _Core:
                 self.machine.failed(Failure(ConnectionError("lease expired")))
                 return
             self._arm(live)
+            if self.put_dirty:
+                # the record changed while the keep-alive was in flight
+                self.put(live)
 
         def failed(reason: Failure) -> None:
             live.call = None
@@ -373,7 +376,12 @@ def _cancel_timer(inputs: _Inputs, core: _Core, timer: _Timer) -> None:
 
 connecting.upon(_Inputs.connected).to(live).returns(None)
 connecting.upon(_Inputs.failed).to(lost).returns(None)
-connecting.upon(_Inputs.record_changed).loop().returns(None)
+
+
+@connecting.upon(_Inputs.record_changed).loop()
+def _connecting_changed(inputs: _Inputs, core: _Core, op: _Op) -> None:
+    # the put may already be done: put again once live
+    core.put_dirty = True
 
 
 @connecting.upon(_Inputs.stop).to(stopped)
