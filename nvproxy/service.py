@@ -16,7 +16,7 @@ from typing import IO, Any
 from attrs import evolve
 from prometheus_client import CollectorRegistry
 from twisted.application.service import MultiService
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList, gatherResults, maybeDeferred
 from twisted.internet.interfaces import (
     IOpenSSLClientConnectionCreator,
     IProtocolFactory,
@@ -57,6 +57,7 @@ from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
 from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.scheduler import ReservationMap
+from nvproxy.shutdown import Shutdown, install_signal_handlers
 from nvproxy.vllm import VllmManager
 from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
 
@@ -180,6 +181,13 @@ class NvProxy(MultiService):
             cluster.subscribe(lambda _state: self._cluster_changed())
         self.dispatcher = Dispatcher(
             reactor, config.dispatch.policy, random=random.Random().random
+        )
+        self.shutdown = Shutdown(
+            reactor,
+            config.shutdown_grace,
+            self.dispatcher,
+            self._close_ports,
+            self._close_connections,
         )
         self.reservations = ReservationMap()
         self.workloads = RingSink(maxlen=1000)
@@ -418,10 +426,32 @@ class NvProxy(MultiService):
             log.info("stopping: the broker link is closed")
             self.reactor.stop()
 
+    def _close_ports(self) -> Deferred[Any]:
+        listeners = [*self.listeners.values(), *self.aliases]
+        if self.config.admin_enabled:
+            listeners.append(self.admin)
+        return gatherResults(
+            [maybeDeferred(listener.stopService) for listener in listeners],
+            consumeErrors=True,
+        )
+
+    def _close_connections(self, timeout: float) -> Deferred[Any]:
+        closing: Deferred[Any] = gatherResults(
+            [site.close_connections() for site in self.sites.values()],
+            consumeErrors=True,
+        )
+        # Past the timeout the reactor's shutdown drops what is left.
+        closing.addTimeout(timeout, self.reactor)
+        closing.addErrback(lambda _: None)
+        return closing
+
     def stopService(self) -> Deferred[Any]:
-        self.dispatcher.shutdown()
-        d = super().stopService()  # type: ignore[no-untyped-call]
-        stopped: Deferred[Any] = d if isinstance(d, Deferred) else succeed(None)
+        # The drain (nvproxy.shutdown) first, then every other service.
+        async def stop() -> None:
+            await self.shutdown.begin()
+            await maybeDeferred(super(NvProxy, self).stopService)
+
+        stopped: Deferred[Any] = Deferred.fromCoroutine(stop())
         stopped.addBoth(lambda _: self.upstream.close())
         stopped.addBoth(lambda _: self._close_workload_log())
         return stopped
@@ -499,4 +529,5 @@ def makeService(options: usage.Options) -> NvProxy:
         node=service.node_id,
         engines=",".join(service.facades) or "none (waiting for facade/enable)",
     )
+    reactor.callWhenRunning(install_signal_handlers, reactor, service.shutdown)
     return service

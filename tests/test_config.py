@@ -1470,6 +1470,7 @@ class SettingsTableTests(LoadTestsMixin):
         "eject-max": ("1m", 'dispatch.eject_max = "1m"'),
         "cluster-dir": ("/c", 'cluster.dir = "/c"'),
         "control-max-line": ("64KiB", 'control.max_line = "64KiB"'),
+        "shutdown-grace": ("5s", 'shutdown.grace = "5s"'),
     }
 
     def test_flag_env_and_file_agree(self) -> None:
@@ -1536,6 +1537,8 @@ class SettingsTableTests(LoadTestsMixin):
                 "limits.max_header_bytes": "64KiB",
                 "limits.max_header_count": "100",
                 "workloads.log": "none",
+                "shutdown.grace": "30s",
+                "log.access": "true",
             },
         )
         self.assertEqual(self.load().dispatch.policy, DispatchPolicy())

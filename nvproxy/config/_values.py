@@ -188,4 +188,6 @@ class Config:
     control_max_line: int = 2**20
     listen_interface: str = "127.0.0.1"
     workload_log: str | None = None
+    shutdown_grace: float = 30.0
+    log_access: bool = True
     config_path: str | None = field(default=None, eq=False)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IAddress, IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
@@ -466,11 +467,17 @@ class _CountedChannel(_GuardedChannel):
 
     def connectionMade(self) -> None:
         self.site.connections += 1
+        self.site.channels.add(self)
         _GuardedChannel.connectionMade(self)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.connections -= 1
+        self.site.channels.discard(self)
         _GuardedChannel.connectionLost(self, reason)
+        if not self.site.channels:
+            waiters, self.site.closed_waiters = self.site.closed_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
 
 
 class _Overloaded(Protocol):
@@ -514,6 +521,22 @@ class FacadeSite(GuardedSite):
         self.max_body = max_body
         self.max_connections = max_connections
         self.connections = 0
+        self.channels: set[_CountedChannel] = set()
+        self.closed_waiters: list[Deferred[None]] = []
+
+    def close_connections(self) -> Deferred[None]:
+        """
+        Close every client connection once its buffered bytes are written
+        (shutdown); fires when the last one is gone.
+        """
+        if not self.channels:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self.closed_waiters.append(waiter)
+        for channel in list(self.channels):
+            if channel.transport is not None:
+                channel.transport.loseConnection()
+        return waiter
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
         if self.connections >= self.max_connections:

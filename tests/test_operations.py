@@ -1,0 +1,210 @@
+"""
+Operations through the README's own commands: C{twistd -n nvproxy --config F}
+as a subprocess, stopped by SIGTERM while requests are in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+from typing import Any
+
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionRefusedError
+from twisted.trial.unittest import TestCase
+
+from nvproxy.testing.fakeengine import Behaviour, FakeEngine
+from nvproxy.testing.harness import (
+    Client,
+    NotHealthy,
+    eventually,
+    free_port,
+    wait_healthy,
+)
+from tests.test_e2e import _Twistd, _twistd_argv
+
+PROMPT = "PROMPT-CANARY-0c41"
+
+
+class _Daemon:
+    """One twistd nvproxy subprocess with an Ollama and a vLLM facade."""
+
+    def __init__(self, test: TestCase) -> None:
+        self.test = test
+        self.protocol = _Twistd()
+        self.ports = {"ollama": free_port(), "vllm": free_port(), "admin": free_port()}
+        self.directory = os.path.abspath(test.mktemp())
+        os.makedirs(self.directory)
+        self.path = os.path.join(self.directory, "nvproxy.toml")
+        self.process: Any = None
+
+    def url(self, engine: str) -> str:
+        return f"http://127.0.0.1:{self.ports[engine]}"
+
+    def write(self, ollama: FakeEngine, openai: FakeEngine, extra: str = "") -> None:
+        config = f"""
+            node_id = "ops"
+            {extra}
+            [admin]
+            listen = "127.0.0.1:{self.ports["admin"]}"
+            [discovery]
+            poll_interval = "100ms"
+            [engines.ollama]
+            port = {self.ports["ollama"]}
+            backend = "{ollama.url}"
+            [engines.vllm]
+            port = {self.ports["vllm"]}
+            backend = "{openai.url}"
+            [engines.lmstudio]
+            enabled = false
+            [engines.llamacpp]
+            enabled = false
+        """
+        with open(self.path, "w") as f:
+            f.write(textwrap.dedent(config))
+
+    async def start(self, *extra: str) -> None:
+        self.process = reactor.spawnProcess(
+            self.protocol,
+            sys.executable,
+            _twistd_argv("--config", self.path, "--state-dir", self.directory, *extra),
+            env=dict(os.environ),
+            path=self.directory,
+        )
+
+        async def stop() -> None:
+            if not self.protocol.ended.called:
+                self.process.signalProcess(signal.SIGKILL)
+                await self.protocol.ended
+
+        self.test.addCleanup(lambda: Deferred.fromCoroutine(stop()))
+
+        def up(code: int, body: bytes) -> bool:
+            return code == 200 and len(json.loads(body)["nodes"]) > 0
+
+        try:
+            await wait_healthy(
+                reactor,
+                f"http://127.0.0.1:{self.ports['admin']}/admin/status",
+                within=20.0,
+                alive=lambda: not self.protocol.ended.called,
+                healthy=up,
+            )
+        except NotHealthy:
+            self.test.fail(f"nvproxy did not come up:\n{self.output}")
+
+    def signal(self, number: int = signal.SIGTERM) -> None:
+        self.process.signalProcess(number)
+
+    @property
+    def output(self) -> str:
+        return self.protocol.output.decode()
+
+
+async def _engines(
+    test: TestCase, ollama_behaviour: Behaviour, openai_behaviour: Behaviour
+) -> tuple[FakeEngine, FakeEngine]:
+    ollama = FakeEngine("ollama", ["llama3:latest"], reactor)
+    ollama.default = ollama_behaviour
+    await ollama.listen(reactor)
+    test.addCleanup(ollama.stop)
+    openai = FakeEngine("openai", ["qwen"], reactor)
+    openai.default = openai_behaviour
+    await openai.listen(reactor)
+    test.addCleanup(openai.stop)
+    return ollama, openai
+
+
+def _chat(model: str) -> bytes:
+    return json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": PROMPT}]}
+    ).encode()
+
+
+class ShutdownTests(TestCase):
+    timeout = 60
+
+    async def test_drain(self) -> None:
+        """
+        SIGTERM closes the ports at once, answers the request still held
+        before commit with 503 and Retry-After in the engine's dialect, lets
+        the committed stream finish, and exits with status 0.
+        """
+        ollama, openai = await _engines(
+            self,
+            Behaviour(chunks=8, chunk_interval=0.1),
+            Behaviour(latency=20.0),
+        )
+        daemon = _Daemon(self)
+        daemon.write(ollama, openai)
+        await daemon.start()
+        client = Client(reactor)
+        self.addCleanup(client.close)
+        streaming = await client.http.post(
+            daemon.url("ollama") + "/api/chat", data=_chat("llama3")
+        )
+        self.assertEqual(streaming.code, 200)
+        held = Deferred.fromCoroutine(
+            client.request(
+                "POST",
+                daemon.url("vllm") + "/v1/chat/completions",
+                data=_chat("qwen"),
+                headers={"Content-Type": "application/json"},
+            )
+        )
+        await eventually(
+            reactor,
+            lambda: any(r.model == "qwen" for r in openai.requests),
+            what="the held request",
+        )
+        daemon.signal()
+        try:
+            code, headers, body = await held
+        except Exception as e:
+            await daemon.protocol.ended
+            self.fail(repr(e) + daemon.output)
+        self.assertEqual(code, 503)
+        self.assertEqual(headers.getRawHeaders("Retry-After"), ["5"])
+        self.assertIn("shutting down", json.loads(body)["error"]["message"])
+        # No new connection while draining.
+        with self.assertRaises(ConnectionRefusedError):
+            await Client(reactor, persistent=False).request(
+                "GET", daemon.url("ollama") + "/api/tags"
+            )
+        lines = (await treq.content(streaming)).decode().splitlines()
+        self.assertEqual(len(lines), 9)
+        self.assertTrue(json.loads(lines[-1])["done"])
+        self.assertEqual(await daemon.protocol.ended, 0)
+        self.assertIn("drain ended (every request finished)", daemon.output)
+
+    async def test_second_sigterm(self) -> None:
+        """
+        A second SIGTERM ends the drain at once: the long stream is cut and
+        the daemon exits with status 0 well before the grace.
+        """
+        ollama, openai = await _engines(
+            self, Behaviour(chunks=200, chunk_interval=0.1), Behaviour()
+        )
+        daemon = _Daemon(self)
+        daemon.write(ollama, openai)
+        await daemon.start()
+        client = Client(reactor)
+        self.addCleanup(client.close)
+        streaming = await client.http.post(
+            daemon.url("ollama") + "/api/chat", data=_chat("llama3")
+        )
+        self.assertEqual(streaming.code, 200)
+        daemon.signal()
+        await eventually(reactor, lambda: "draining" in daemon.output, what="the drain")
+        started = reactor.seconds()
+        daemon.signal()
+        self.assertEqual(await daemon.protocol.ended, 0)
+        self.assertLess(reactor.seconds() - started, 5)
+        self.assertIn("drain ended (second signal)", daemon.output)
+        content = await treq.content(streaming).addErrback(lambda f: b"")
+        self.assertLess(len(content.splitlines()), 200)
