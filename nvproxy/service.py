@@ -57,7 +57,8 @@ from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
 from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.scheduler import ReservationMap
-from nvproxy.shutdown import Shutdown, install_signal_handlers
+from nvproxy.shutdown import Shutdown
+from nvproxy.signals import install_signal_handlers
 from nvproxy.vllm import VllmManager
 from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
 
@@ -366,6 +367,7 @@ class NvProxy(MultiService):
             max_connections=limits.max_connections,
             limits=_client_limits(limits),
             reactor=self.reactor,
+            access_log=self.config.log_access,
         )
         port = engine_config.port
         listener = PortListener(

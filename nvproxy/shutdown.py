@@ -22,25 +22,21 @@ The drain as a state machine::
                           |                  --force----------> done
                           +-- begin: the same Deferred
 
-Only L{install_signal_handlers} touches process-wide state; the composition
-root calls it once the reactor runs.
+The signals that drive it are L{nvproxy.signals}'.
 """
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
-from types import FrameType
 from typing import Any, Protocol
 
 from attrs import define, field
 from automat import TypeMachineBuilder
 from twisted.internet.defer import Deferred, gatherResults
-from twisted.internet.error import ReactorNotRunning
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-__all__ = ["FLUSH_TIMEOUT", "Drainable", "Shutdown", "install_signal_handlers"]
+__all__ = ["FLUSH_TIMEOUT", "Drainable", "Shutdown"]
 
 log = Logger()
 
@@ -229,33 +225,3 @@ class Shutdown:
     def force(self) -> None:
         """End the drain now: what is in flight is cancelled."""
         self._machine.force()
-
-
-def install_signal_handlers(reactor: Any, shutdown: Shutdown) -> None:
-    """
-    SIGTERM stops the reactor (which drains through C{stopService}); a
-    second SIGTERM during the drain ends it at once.  Unlike Twisted's own
-    handler it does not re-raise the signal at exit: a drained stop exits
-    with status 0.  Call it once the reactor runs (after Twisted installed
-    its handlers).
-    """
-
-    signalled = False
-
-    def stop() -> None:
-        nonlocal signalled
-        if signalled or shutdown.draining:
-            log.info("shutdown: second SIGTERM, ending the drain now")
-            shutdown.force()
-            return
-        signalled = True
-        log.info("shutdown: received SIGTERM")
-        try:
-            reactor.stop()
-        except ReactorNotRunning:
-            pass
-
-    def on_term(number: int, frame: FrameType | None) -> None:
-        reactor.callFromThread(stop)
-
-    signal.signal(signal.SIGTERM, on_term)

@@ -152,9 +152,12 @@ class ShutdownTests(TestCase):
         held = Deferred.fromCoroutine(
             client.request(
                 "POST",
-                daemon.url("vllm") + "/v1/chat/completions",
+                daemon.url("vllm") + "/v1/chat/completions?key=QUERY-CANARY",
                 data=_chat("qwen"),
-                headers={"Content-Type": "application/json"},
+                headers={
+                    "Content-Type": "application/json",
+                    "Authorization": "Bearer KEY-CANARY",
+                },
             )
         )
         await eventually(
@@ -180,7 +183,27 @@ class ShutdownTests(TestCase):
         self.assertEqual(len(lines), 9)
         self.assertTrue(json.loads(lines[-1])["done"])
         self.assertEqual(await daemon.protocol.ended, 0)
-        self.assertIn("drain ended (every request finished)", daemon.output)
+        output = daemon.output
+        self.assertIn("drain ended (every request finished)", output)
+        # One access line per request, metadata only (§9).
+        access = [line for line in output.splitlines() if "[nvproxy.access#" in line]
+        self.assertEqual(len(access), 2, output)
+        self.assertRegex(
+            access[0],
+            r"\] POST /v1/chat/completions 503 engine=vllm model=qwen node=None"
+            r" attempts=1 ttfb_ms=\d+ duration_ms=\d+ bytes=\d+ outcome=finished$",
+        )
+        self.assertRegex(
+            access[1],
+            r"\] POST /api/chat 200 engine=ollama model=llama3:latest node=ops"
+            r" attempts=1 ttfb_ms=\d+ duration_ms=\d+ bytes=\d+ outcome=finished$",
+        )
+        for secret in (PROMPT, "QUERY-CANARY", "KEY-CANARY"):
+            self.assertNotIn(secret, output)
+        # Listeners say when they start and stop, by name; no object reprs.
+        self.assertIn("Ollama facade stopped listening on 127.0.0.1:", output)
+        self.assertNotIn(" object at 0x", output)
+        self.assertNotIn("starting on", output)
 
     async def test_second_sigterm(self) -> None:
         """

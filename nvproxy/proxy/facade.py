@@ -39,6 +39,7 @@ from nvproxy.dispatch import Dispatcher, JobOutcome, RejectReason, Target
 from nvproxy.engines import RouteKind
 from nvproxy.jsonhttp import write_json
 from nvproxy.logs import clip
+from nvproxy.proxy.access import access_of
 from nvproxy.proxy.attempt import AttemptSettings, HttpTarget, UpstreamRequest
 from nvproxy.proxy.backends import Answered, Backend, Refused
 from nvproxy.proxy.bodies import (
@@ -123,6 +124,7 @@ class _Front:
     # -- entry ------------------------------------------------------------
 
     def _handle(self, request: Any) -> Any:
+        access_of(request).engine = self.engine.id
         if self._hidden(request.path):
             self._answer_error(request, 404, "not found")
             return None
@@ -275,6 +277,7 @@ class Facade(_Front):
         if prepared is None:
             return None
         model, upstream = prepared
+        access_of(request).model = model
         accounting = self._accounting.begin(
             self.engine, model, kind, self.backend.is_awake
         )
@@ -481,6 +484,9 @@ def _settle(d: Deferred[JobOutcome], client: ClientSide) -> Deferred[object]:
     """
 
     def settled(outcome: JobOutcome | None) -> object:
+        if outcome is not None:
+            record = access_of(client.request)
+            record.node, record.attempts = outcome.node_id, outcome.attempts
         if client.aborted and not client.gone:
             return client.closed
         return outcome
