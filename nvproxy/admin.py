@@ -48,6 +48,8 @@ class AdminBackend(Protocol):
 
     def sleep(self, service: str, level: int) -> Deferred[Mapping[str, Any]]: ...
 
+    def reload(self) -> Deferred[Mapping[str, Any]]: ...
+
 
 #: What a route raises to answer with an error (the operations' own error).
 AdminError = OperationError
@@ -138,6 +140,10 @@ def admin_app(
     @app.route("/admin/engines/<name>/select", methods=["DELETE"])
     def unselect(request: Any, name: str) -> bytes:
         return _json(request, 200, backend.select(_engine(name), None))
+
+    @app.route("/admin/reload", methods=["POST"])
+    async def reload(request: Any) -> bytes:
+        return _json(request, 200, await backend.reload())
 
     @app.route("/metrics", methods=["GET"])
     def metrics(request: Any) -> bytes:

@@ -1064,6 +1064,10 @@ class Dispatcher:
         for machine in list(self._jobs.values()):
             machine.stop("shutdown")
 
+    def set_policy(self, policy: DispatchPolicy) -> None:
+        """Jobs dispatched from now on follow C{policy} (a reload)."""
+        self._policy = policy
+
     def drain(self) -> None:
         """
         Refuse new jobs and answer every job not yet committed with 503

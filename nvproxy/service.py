@@ -7,10 +7,12 @@ wires them together.  It is the only module that imports the global reactor
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import socket
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
 from attrs import evolve
@@ -35,11 +37,13 @@ from nvproxy.cluster import (
     ServerTLS,
 )
 from nvproxy.config import (
+    FLAG_NAMES,
     Config,
     ConfigError,
     EngineConfig,
     LimitsConfig,
     Options,
+    load_config,
     resolve_node_id,
 )
 from nvproxy.control import ControlLink
@@ -56,6 +60,7 @@ from nvproxy.proxy.facade import Facade, FacadeParts, PeerFacade, personalities
 from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
 from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
+from nvproxy.reload import Reloader
 from nvproxy.scheduler import ReservationMap
 from nvproxy.shutdown import Shutdown
 from nvproxy.signals import install_signal_handlers
@@ -197,6 +202,7 @@ class NvProxy(MultiService):
         self.aliases: list[PortListener] = []
         self.sites: dict[str, FacadeSite] = {}
         self._engine_aliases: dict[str, list[PortListener]] = {}
+        self._admin_site: GuardedSite | None = None
         self.ops = Operations(
             node_id=node_id,
             clock=reactor,
@@ -261,8 +267,28 @@ class NvProxy(MultiService):
             host, port = config.admin_listen
             admin = admin_app(self.ops, self.registry, vllm=self.vllm is not None)
             site = _plain_site(admin_resource(admin), reactor, config.limits)
+            self._admin_site = site
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
+
+    def enable_reload(self, load: Callable[[], Config]) -> None:
+        """
+        Let SIGHUP and C{POST /admin/reload} re-read the configuration with
+        C{load} (the file, flags and environment of the start).
+        """
+        reloader = Reloader(
+            self,
+            load,
+            lambda c: self.ops.enable_facade(c.id, c.port, c.aliases, False),
+            self.ops.disable_facade,
+        )
+        self.ops.reloader = reloader.reload
+
+    def admin_site(self) -> GuardedSite | None:
+        return self._admin_site
+
+    def endpoints_changed(self) -> None:
+        self.polling.set_endpoints(self._endpoints())
 
     # -- cluster ----------------------------------------------------------
 
@@ -341,7 +367,11 @@ class NvProxy(MultiService):
             tls = tls_personality(self.server_tls, site, self.reactor)
         return DemuxFactory(site, tls, self.reactor)
 
-    def _add_facade(self, engine_config: EngineConfig) -> None:
+    def facade_resource(self, engine_config: EngineConfig) -> tuple[Facade, Any]:
+        """
+        The request path of C{engine_config}'s facade, from the current
+        config: its plaintext personality and the resource a site serves.
+        """
         engine = ENGINES[engine_config.id]
         backend = self._backend(engine)
         dispatch = self.config.dispatch
@@ -359,9 +389,14 @@ class NvProxy(MultiService):
         peer = None
         if self.server_tls is not None:
             peer = PeerFacade(parts, peer_of=self._peer_of)
+        return facade, personalities(facade, peer)
+
+    def _add_facade(self, engine_config: EngineConfig) -> None:
+        engine = ENGINES[engine_config.id]
+        facade, resource = self.facade_resource(engine_config)
         limits = self.config.limits
         site = FacadeSite(
-            personalities(facade, peer),
+            resource,
             error_body=engine.error_body,
             max_body=limits.max_body,
             max_connections=limits.max_connections,
@@ -485,7 +520,7 @@ def _client_limits(limits: LimitsConfig) -> ClientLimits:
     )
 
 
-def _plain_site(resource: Any, reactor: Any, limits: LimitsConfig) -> IProtocolFactory:
+def _plain_site(resource: Any, reactor: Any, limits: LimitsConfig) -> GuardedSite:
     # The admin listener: the facades' head limits, JSON errors.
     return GuardedSite(resource, limits=_client_limits(limits), reactor=reactor)
 
@@ -531,5 +566,12 @@ def makeService(options: usage.Options) -> NvProxy:
         node=service.node_id,
         engines=",".join(service.facades) or "none (waiting for facade/enable)",
     )
-    reactor.callWhenRunning(install_signal_handlers, reactor, service.shutdown)
+    flags = {name: options[name] for name in FLAG_NAMES}
+    service.enable_reload(lambda: load_config(options["config"], flags, os.environ))
+
+    def on_hup() -> None:
+        # Errors are logged by the reload itself.
+        service.ops.reload().addErrback(lambda _: None)
+
+    reactor.callWhenRunning(install_signal_handlers, reactor, service.shutdown, on_hup)
     return service

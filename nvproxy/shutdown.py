@@ -203,6 +203,15 @@ class Shutdown:
         self._machine = _DrainMachine(self._core)
 
     @property
+    def grace(self) -> float:
+        """Seconds committed requests get; a reload may change it."""
+        return self._core.grace
+
+    @grace.setter
+    def grace(self, seconds: float) -> None:
+        self._core.grace = seconds
+
+    @property
     def draining(self) -> bool:
         """Whether the drain has begun (perhaps ended)."""
         return self._core.begun

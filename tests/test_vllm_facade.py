@@ -354,7 +354,7 @@ class VllmFacadeTests(ProxyTestCase):
         code, out = await ctl("sleep", "text", "--level", "1")
         self.assertEqual(code, 0, out)
         self.assertTrue(text.is_sleeping)
-        code, out = await ctl("status")
+        code, out = await ctl("--json", "status")
         services = {s["name"]: s for s in json.loads(out)["vllm"]}
         self.assertEqual(services["text"]["sleep_depth"], "sleeping")
         code, out = await ctl("wake", "text")
