@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_reload -*-
+# -*- test-case-name: tests.test_operations -*-
 """
 Reloading the configuration while the daemon runs (SIGHUP,
 C{POST /admin/reload}, C{nvproxyctl reload}).

@@ -16,6 +16,8 @@ import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.task import deferLater
+from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import TestCase
 
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
@@ -231,3 +233,174 @@ class ShutdownTests(TestCase):
         self.assertIn("drain ended (second signal)", daemon.output)
         content = await treq.content(streaming).addErrback(lambda f: b"")
         self.assertLess(len(content.splitlines()), 200)
+
+
+async def _ctl(daemon: _Daemon | None, *argv: str) -> tuple[int, str, str]:
+    admin = "127.0.0.1:1" if daemon is None else f"127.0.0.1:{daemon.ports['admin']}"
+    out, err, code = await getProcessOutputAndValue(
+        sys.executable,
+        ["-m", "nvproxy.ctl", "--admin", admin, *argv],
+        env=dict(os.environ),
+    )
+    return int(code), out.decode(), err.decode()
+
+
+class ReloadTests(TestCase):
+    timeout = 60
+
+    async def test_sighup(self) -> None:
+        """
+        SIGHUP adds a node, changes a limit and rebinds a port for new
+        requests; then an invalid file is refused, logged, and the daemon
+        keeps serving on the config in force.  nvproxyctl shows it.
+        """
+        ollama, openai = await _engines(self, Behaviour(), Behaviour())
+        other = FakeEngine("ollama", ["mistral:latest"], reactor)
+        await other.listen(reactor)
+        self.addCleanup(other.stop)
+        daemon = _Daemon(self)
+        daemon.write(ollama, openai)
+        await daemon.start()
+        client = Client(reactor, persistent=False)
+        old_port = daemon.ports["ollama"]
+
+        code, out, err = await _ctl(daemon, "status")
+        self.assertEqual((code, err), (0, ""))
+        ports = daemon.ports
+        self.assertEqual(
+            out,
+            textwrap.dedent(
+                f"""\
+                node ops: 0 in flight
+
+                facades:
+                ENGINE  PORT   LISTENING  ERROR  SELECTED
+                ollama  {ports["ollama"]:<5}  yes        -      -
+                vllm    {ports["vllm"]:<5}  yes        -      -
+
+                nodes:
+                NODE  ENGINE  MODELS
+                ops   ollama  llama3:latest
+                ops   vllm    qwen
+
+                reservations:
+                NODE  RESERVED
+                ops   0
+                """
+            ),
+        )
+        code, out, _ = await _ctl(daemon, "--json", "status")
+        self.assertEqual(code, 0)
+        self.assertEqual(
+            json.loads(out)["nodes"],
+            {"ops": {"ollama": ["llama3:latest"], "vllm": ["qwen"]}},
+        )
+
+        new_port = free_port()
+        daemon.ports["ollama"] = new_port
+        daemon.write(
+            ollama,
+            openai,
+            f"""
+            [limits]
+            max_body = "1KiB"
+            [[nodes]]
+            id = "gpu-2"
+            engines = {{ ollama = "{other.url}" }}
+            """,
+        )
+        daemon.signal(signal.SIGHUP)
+        await eventually(
+            reactor,
+            lambda: "configuration reloaded" in daemon.output,
+            what="the reload",
+        )
+        self.assertIn("changed limits, engines.ollama.port, nodes", daemon.output)
+        url = daemon.url("ollama")
+        code, _, _ = await client.request(
+            "POST", url + "/api/generate", data=b"x" * 2048
+        )
+        self.assertEqual(code, 413)
+        with self.assertRaises(ConnectionRefusedError):
+            await client.request("GET", f"http://127.0.0.1:{old_port}/api/tags")
+
+        async def mistral() -> int:
+            code, _, _ = await client.request(
+                "POST",
+                url + "/api/generate",
+                data=json.dumps({"model": "mistral", "prompt": "hi"}).encode(),
+            )
+            return code
+
+        for _ in range(50):
+            if await mistral() == 200:
+                break
+            await deferLater(reactor, 0.1, lambda: None)
+        self.assertEqual(await mistral(), 200)
+
+        with open(daemon.path, "a") as f:
+            f.write("[dispatch]\nmax_attempts = 0\n")
+        code, out, err = await _ctl(daemon, "reload")
+        self.assertEqual((code, out), (1, ""))
+        self.assertEqual(
+            err,
+            "nvproxyctl: configuration refused\n"
+            "nvproxyctl: dispatch.max_attempts: must be an integer >= 1, got 0\n",
+        )
+        daemon.signal(signal.SIGHUP)
+        await eventually(
+            reactor,
+            lambda: daemon.output.count("reload refused") == 2,
+            what="the refused reload",
+        )
+        self.assertEqual(await mistral(), 200)
+
+    async def test_ctl_without_daemon(self) -> None:
+        """
+        No daemon: one clear line, exit code 2, no traceback.
+        """
+        code, out, err = await _ctl(None, "status")
+        self.assertEqual((code, out), (2, ""))
+        self.assertEqual(len(err.splitlines()), 1)
+        self.assertIn("cannot reach the admin API at 127.0.0.1:1", err)
+
+
+class CheckTests(TestCase):
+    timeout = 30
+
+    async def test_check(self) -> None:
+        """
+        C{twistd nvproxy --config F --check} and C{nvproxyctl check-config F}:
+        every problem on its own line and a non-zero status; nothing starts.
+        """
+        directory = self.mktemp()
+        os.makedirs(directory)
+        good = os.path.join(directory, "good.toml")
+        bad = os.path.join(directory, "bad.toml")
+        with open(good, "w") as f:
+            f.write('node_id = "x"\n[admin]\nenabled = false\n')
+        with open(bad, "w") as f:
+            f.write("[dispatch]\nmax_attempts = 0\n[engines.ollama]\nprot = 1\n")
+        problems = [
+            "dispatch.max_attempts: must be an integer >= 1, got 0",
+            "engines.ollama.prot: unknown key",
+        ]
+        out, err, code = await getProcessOutputAndValue(
+            sys.executable,
+            _twistd_argv("--config", good, "--check")[1:],
+            env=dict(os.environ),
+        )
+        self.assertEqual((code, err), (0, b""))
+        self.assertIn(b"configuration OK", out)
+        out, err, code = await getProcessOutputAndValue(
+            sys.executable,
+            _twistd_argv("--config", bad, "--check")[1:],
+            env=dict(os.environ),
+        )
+        self.assertEqual(code, 2)
+        self.assertEqual(err.decode().splitlines(), [f"nvproxy: {p}" for p in problems])
+        code, out, err = await _ctl(None, "check-config", good)
+        self.assertEqual((code, out, err), (0, f"{good}: configuration OK\n", ""))
+        code, out, err = await _ctl(None, "check-config", bad)
+        self.assertEqual(code, 1)
+        self.assertEqual(err.splitlines(), [f"nvproxyctl: {p}" for p in problems])

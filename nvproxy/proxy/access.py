@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_access -*-
+# -*- test-case-name: tests.test_operations -*-
 """
 The access log: one line per facade request, at C{info}, in the
 C{nvproxy.access} namespace, once the response is finished or the client
