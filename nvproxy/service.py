@@ -29,6 +29,7 @@ from twisted.python import usage
 
 from nvproxy.accounting import Accounting
 from nvproxy.admin import admin_app, admin_resource
+from nvproxy.brokerdiscovery import BrokerDiscovery
 from nvproxy.cluster import (
     ClientTLS,
     ClusterDir,
@@ -173,8 +174,11 @@ class NvProxy(MultiService):
             reactor,
             EjectionPolicy(config.dispatch.eject_base, config.dispatch.eject_max),
         )
+        # With the broker link, the broker may feed an engine's inventory
+        # (nvproxy.brokerdiscovery): polling publishes beside it.
+        polled = self.discovery if config.control is None else Discovery()
         self.polling = PollingDiscovery(
-            self.discovery,
+            polled,
             self.inventory_client,
             reactor,
             self._endpoints(),
@@ -196,6 +200,12 @@ class NvProxy(MultiService):
             self._close_connections,
         )
         self.reservations = ReservationMap()
+        self.broker_discovery: BrokerDiscovery | None = None
+        if config.control is not None:
+            self.broker_discovery = BrokerDiscovery(
+                polled, self.discovery, node_id, self._peer_url, reactor
+            )
+            self.reservations.on_change = self.broker_discovery.activity_changed
         self.workloads = RingSink(maxlen=1000)
         self.facades: dict[str, Facade] = {}
         self.listeners: dict[str, PortListener] = {}
@@ -229,6 +239,7 @@ class NvProxy(MultiService):
                 self.ops,
                 lambda: self._link_closed(),
                 max_line=config.control_max_line,
+                discovery=self.broker_discovery,
             )
             sinks.append(self.link)
         self._workload_file: IO[str] | None = None
@@ -311,6 +322,17 @@ class NvProxy(MultiService):
                             )
                         )
         return endpoints
+
+    def _peer_url(self, engine: str, peer_id: str) -> str | None:
+        """Where pinned peer C{peer_id}'s C{engine} facade answers, if pinned."""
+        if self.cluster is None or not self.cluster.current.member:
+            return None
+        for peer in self.cluster.current.peers:
+            if peer.id == peer_id:
+                host = f"[{peer.address}]" if ":" in peer.address else peer.address
+                port = peer.port(engine) or ENGINES[engine].standalone_port
+                return f"https://{host}:{port}"
+        return None
 
     def _cluster_changed(self) -> None:
         """
