@@ -262,6 +262,7 @@ class ReloadTests(TestCase):
         daemon.write(ollama, openai)
         await daemon.start()
         client = Client(reactor, persistent=False)
+        self.addCleanup(client.close)
         old_port = daemon.ports["ollama"]
 
         code, out, err = await _ctl(daemon, "status")
@@ -303,7 +304,7 @@ class ReloadTests(TestCase):
             openai,
             f"""
             [limits]
-            max_body = "1KiB"
+            max_request_line = "1KiB"
             [[nodes]]
             id = "gpu-2"
             engines = {{ ollama = "{other.url}" }}
@@ -317,10 +318,8 @@ class ReloadTests(TestCase):
         )
         self.assertIn("changed limits, engines.ollama.port, nodes", daemon.output)
         url = daemon.url("ollama")
-        code, _, _ = await client.request(
-            "POST", url + "/api/generate", data=b"x" * 2048
-        )
-        self.assertEqual(code, 413)
+        code, _, _ = await client.request("GET", url + "/api/" + "x" * 1100)
+        self.assertEqual(code, 414)
         with self.assertRaises(ConnectionRefusedError):
             await client.request("GET", f"http://127.0.0.1:{old_port}/api/tags")
 
