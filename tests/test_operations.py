@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import textwrap
+from collections.abc import Sequence
 from typing import Any
 
 import treq
@@ -70,11 +71,17 @@ class _Daemon:
         with open(self.path, "w") as f:
             f.write(textwrap.dedent(config))
 
-    async def start(self, *extra: str) -> None:
+    async def start(self, *extra: str, twistd: Sequence[str] = ()) -> None:
+        argv = _twistd_argv(
+            "--config", self.path, "--state-dir", self.directory, *extra
+        )
+        # twistd's own options come before the plugin's name.
+        at = argv.index("nvproxy")
+        argv[at:at] = twistd
         self.process = reactor.spawnProcess(
             self.protocol,
             sys.executable,
-            _twistd_argv("--config", self.path, "--state-dir", self.directory, *extra),
+            argv,
             env=dict(os.environ),
             path=self.directory,
         )
@@ -362,6 +369,39 @@ class ReloadTests(TestCase):
         self.assertEqual((code, out), (2, ""))
         self.assertEqual(len(err.splitlines()), 1)
         self.assertIn("cannot reach the admin API at 127.0.0.1:1", err)
+
+
+class LogFileTests(TestCase):
+    timeout = 30
+
+    async def test_logfile_reopened_on_sigusr1(self) -> None:
+        """
+        With twistd's C{--logfile}, the log goes to the file; after logrotate
+        moved it, SIGUSR1 makes nvproxy write to a new file of that name.
+        """
+        ollama, openai = await _engines(self, Behaviour(), Behaviour())
+        daemon = _Daemon(self)
+        daemon.write(ollama, openai)
+        path = os.path.join(daemon.directory, "nvproxy.log")
+        await daemon.start(twistd=["--logfile", path])
+        os.rename(path, path + ".1")
+        daemon.signal(signal.SIGUSR1)
+        await eventually(
+            reactor, lambda: os.path.exists(path), what="the reopened log file"
+        )
+        client = Client(reactor, persistent=False)
+        self.addCleanup(client.close)
+        code, _, _ = await client.request("GET", daemon.url("ollama") + "/api/tags")
+        self.assertEqual(code, 200)
+        daemon.signal()
+        self.assertEqual(await daemon.protocol.ended, 0)
+        with open(path + ".1") as f:
+            rotated = f.read()
+        with open(path) as f:
+            current = f.read()
+        self.assertIn("Ollama facade listening on", rotated)
+        self.assertIn("log files reopened (SIGUSR1)", current)
+        self.assertRegex(current, r"GET /api/tags 200 engine=ollama ")
 
 
 class CheckTests(TestCase):
