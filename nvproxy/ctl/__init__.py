@@ -133,18 +133,24 @@ def _call(
     reactor: Any, admin: str, method: str, path: str, body: bytes | None, timeout: float
 ) -> Any:
     import treq
+    from twisted.internet.defer import CancelledError, Deferred
+    from twisted.web.client import ResponseFailed
 
     async def call() -> tuple[int, bytes]:
-        response = await treq.request(
-            method,
-            f"http://{admin}{path}",
-            data=body,
-            headers=_JSON,
-            reactor=reactor,
-        )
-        return response.code, await treq.content(response)
-
-    from twisted.internet.defer import Deferred
+        try:
+            response = await treq.request(
+                method,
+                f"http://{admin}{path}",
+                data=body,
+                headers=_JSON,
+                reactor=reactor,
+            )
+            return response.code, await treq.content(response)
+        except ResponseFailed as e:
+            # Cancelled by the timeout below: let it say so.
+            if any(reason.check(CancelledError) for reason in e.reasons):
+                raise CancelledError() from None
+            raise
 
     # The whole exchange, answer included, within the timeout: it then fails
     # with twisted.internet.defer.TimeoutError.
