@@ -18,6 +18,9 @@ keep what they started with):
   bound; a persisted port still wins), backends, direct nodes and response
   timeouts (each facade's request path is rebuilt from the new config);
 * L{_apply_shutdown}: C{shutdown.grace};
+* L{_apply_vllm}: the vLLM holds, C{state_ttl} and each service's idle
+  times (from its next idle period), when the services themselves (names,
+  URLs, models, aliases, routes) are unchanged;
 * the cluster dir, re-read.
 
 What needs a restart is listed in the answer (C{restart_required}) and
@@ -42,6 +45,7 @@ from nvproxy.ports import PortStore
 from nvproxy.proxy.listener import PortListener
 from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.shutdown import Shutdown
+from nvproxy.vllm import VllmManager
 
 __all__ = ["RESTART_KEYS", "Reloadable", "Reloader"]
 
@@ -93,6 +97,9 @@ class Reloadable(Protocol):
 
     @property
     def sites(self) -> Mapping[str, FacadeSite]: ...
+
+    @property
+    def vllm(self) -> VllmManager | None: ...
 
     def facade_resource(self, engine_config: EngineConfig) -> tuple[Any, Any]: ...
 
@@ -156,20 +163,23 @@ class Reloader:
             workload_log=old.workload_log,
             log_format=old.log_format,
         )
-        vllm_old, vllm_new = old.engines["vllm"], new.engines["vllm"]
-        engines = dict(new.engines)
-        engines["vllm"] = evolve(
-            vllm_new,
-            services=vllm_old.services,
-            hold=vllm_old.hold,
-            state_ttl=vllm_old.state_ttl,
-        )
-        new = evolve(new, engines=engines)
+        if "engines.vllm.services" in restart:
+            # Other services than those running: all of vLLM's settings wait.
+            vllm_old, vllm_new = old.engines["vllm"], new.engines["vllm"]
+            engines = dict(new.engines)
+            engines["vllm"] = evolve(
+                vllm_new,
+                services=vllm_old.services,
+                hold=vllm_old.hold,
+                state_ttl=vllm_old.state_ttl,
+            )
+            new = evolve(new, engines=engines)
         changed: list[str] = []
         changed += _apply_log(old, new)
         changed += _apply_dispatch(service, old, new)
         changed += _apply_limits(service, old, new)
         changed += _apply_shutdown(service, old, new)
+        changed += _apply_vllm(service, old, new)
         changed += await self._apply_facades(old, new)
         if service.cluster is not None:
             service.cluster.reload()
@@ -281,6 +291,30 @@ def _apply_limits(service: Reloadable, old: Config, new: Config) -> list[str]:
             site.access_log = new.log_access
     if old.limits != new.limits:
         changed.append("limits")
+    return changed
+
+
+def _service_identities(config: Config) -> object:
+    """What of the vLLM services a reload cannot change."""
+    return tuple(
+        (s.name, s.url, s.model, s.aliases, s.default_for)
+        for s in config.engines["vllm"].services
+    )
+
+
+def _apply_vllm(service: Reloadable, old: Config, new: Config) -> list[str]:
+    before, after = old.engines["vllm"], new.engines["vllm"]
+    if service.vllm is None:
+        return []
+    changed = []
+    if before.hold != after.hold:
+        changed.append("engines.vllm.hold")
+    if before.state_ttl != after.state_ttl:
+        changed.append("engines.vllm.state_ttl")
+    if before.services != after.services:
+        changed.append("engines.vllm.services (idle times)")
+    if changed:
+        service.vllm.reconfigure(after.hold, after.state_ttl, after.services)
     return changed
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import treq
+from attrs import evolve
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionRefusedError
@@ -21,6 +22,9 @@ from twisted.internet.task import deferLater
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import TestCase
 
+from nvproxy.config import Config, ConfigError, ConfigErrors
+from nvproxy.logs import current_level, set_level
+from nvproxy.ops import OperationError
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
 from nvproxy.testing.harness import (
     Client,
@@ -30,6 +34,7 @@ from nvproxy.testing.harness import (
     wait_healthy,
 )
 from tests.test_e2e import _Twistd, _twistd_argv
+from tests.test_forwarding import ProxyTestCase
 
 PROMPT = "PROMPT-CANARY-0c41"
 
@@ -443,3 +448,77 @@ class CheckTests(TestCase):
         code, out, err = await _ctl(None, "check-config", bad)
         self.assertEqual(code, 1)
         self.assertEqual(err.splitlines(), [f"nvproxyctl: {p}" for p in problems])
+
+
+class InProcessReloadTests(ProxyTestCase):
+    """The reload's effects on each component, in process (no subprocess)."""
+
+    async def test_components_take_the_new_config(self) -> None:
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url})
+        config = proxy.config
+        new = evolve(
+            config,
+            dispatch=evolve(
+                config.dispatch, policy=evolve(config.dispatch.policy, max_attempts=2)
+            ),
+            limits=evolve(config.limits, max_body=1024, max_connections=7),
+            shutdown_grace=3.0,
+            log_access=False,
+            log_level="warn",
+            state_dir=config.state_dir + "-moved",
+        )
+        loads = [new]
+        proxy.enable_reload(lambda: loads[0])
+        self.addCleanup(lambda: set_level("info"))
+        result = await proxy.ops.reload()
+        self.assertEqual(
+            result,
+            {
+                "reloaded": True,
+                "changed": [
+                    "log_level",
+                    "log.access",
+                    "dispatch",
+                    "limits",
+                    "shutdown.grace",
+                ],
+                "restart_required": ["state_dir"],
+            },
+        )
+        site = proxy.sites["ollama"]
+        self.assertEqual(
+            (site.max_body, site.max_connections, site.access_log), (1024, 7, False)
+        )
+        self.assertEqual(proxy.shutdown.grace, 3.0)
+        self.assertEqual(current_level(), "warn")
+        self.assertEqual(proxy.config.state_dir, config.state_dir)
+        # A refused file changes nothing.
+
+        def refuse() -> Config:
+            raise ConfigErrors([ConfigError("limits.max_body", "must be a size")])
+
+        proxy.enable_reload(refuse)
+        with self.assertRaises(OperationError) as caught:
+            await proxy.ops.reload()
+        self.assertEqual(caught.exception.status, 400)
+        self.assertEqual(
+            caught.exception.details, {"errors": ["limits.max_body: must be a size"]}
+        )
+        self.assertEqual(site.max_body, 1024)
+
+    async def test_engine_disabled_then_enabled(self) -> None:
+        fake = await self.engine("ollama", ["m:latest"])
+        proxy = await self.proxy({"ollama": fake.url})
+        config = proxy.config
+        off = dict(config.engines)
+        off["ollama"] = evolve(off["ollama"], enabled=False)
+        loads = [evolve(config, engines=off)]
+        proxy.enable_reload(lambda: loads[0])
+        result = await proxy.ops.reload()
+        self.assertEqual(result["changed"], ["engines.ollama.enabled"])
+        self.assertNotIn("ollama", proxy.listeners)
+        loads[0] = config
+        result = await proxy.ops.reload()
+        self.assertEqual(result["changed"], ["engines.ollama.enabled"])
+        self.assertIsNotNone(proxy.listeners["ollama"].listening)
