@@ -17,6 +17,8 @@ keep what they started with):
   (rebound like set-port: the old port is closed only once the new one is
   bound; a persisted port still wins), backends, direct nodes and response
   timeouts (each facade's request path is rebuilt from the new config);
+  with the broker link, which facades run and on which port stay the
+  broker's;
 * L{_apply_shutdown}: C{shutdown.grace};
 * L{_apply_vllm}: the vLLM holds, C{state_ttl} and each service's idle
   times (from its next idle period), when the services themselves (names,
@@ -200,9 +202,15 @@ class Reloader:
         service = self._service
         changed: list[str] = []
         service.config = new
+        # With the broker link the broker enables facades and sets ports.
+        managed = old.control is not None
         for engine_id, engine_config in new.engines.items():
             before = old.engines[engine_id]
             running = service.listeners.get(engine_id)
+            if managed:
+                if running is not None:
+                    self._rebuild(engine_id)
+                continue
             if engine_config.enabled and running is None:
                 service.engine_configs[engine_id] = engine_config
                 await self._enable(engine_config)
@@ -234,12 +242,7 @@ class Reloader:
                     )
             if before != engine_config and f"engines.{engine_id}.port" not in changed:
                 changed.append(f"engines.{engine_id}")
-            site = service.sites.get(engine_id)
-            if site is not None:
-                _facade, resource = service.facade_resource(
-                    service.engine_configs[engine_id]
-                )
-                site.resource = resource
+            self._rebuild(engine_id)
         if old.nodes != new.nodes:
             changed.append("nodes")
         if (old.dispatch.response_header_timeout, old.dispatch.stream_idle_timeout) != (
@@ -249,6 +252,16 @@ class Reloader:
             changed.append("dispatch timeouts")
         service.endpoints_changed()
         return changed
+
+    def _rebuild(self, engine_id: str) -> None:
+        """New requests to C{engine_id}'s facade take the new config."""
+        service = self._service
+        site = service.sites.get(engine_id)
+        if site is not None:
+            _facade, resource = service.facade_resource(
+                service.engine_configs[engine_id]
+            )
+            site.resource = resource
 
 
 def _apply_log(old: Config, new: Config) -> list[str]:
