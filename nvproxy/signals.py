@@ -3,9 +3,10 @@
 Process signals, installed by the composition root once the reactor runs
 (after Twisted installed its own handlers, which these replace):
 
-* C{SIGTERM}: stop (the drain of L{nvproxy.shutdown}); a second one ends
-  the drain at once.  Unlike Twisted's handler it does not re-raise the
-  signal at exit, so a drained stop exits with status 0.
+* C{SIGTERM} (and C{SIGINT}, Ctrl-C): stop (the drain of
+  L{nvproxy.shutdown}); a second one ends the drain at once.  Unlike
+  Twisted's handler it does not re-raise the signal at exit, so a drained
+  stop exits with status 0.
 * C{SIGHUP}: reload the configuration (L{nvproxy.ops.Operations.reload}).
 * C{SIGUSR1}: reopen the log file by name (logrotate).
 
@@ -36,11 +37,11 @@ def install_signal_handlers(
     def stop() -> None:
         nonlocal signalled
         if signalled or shutdown.draining:
-            log.info("shutdown: second SIGTERM, ending the drain now")
+            log.info("shutdown: second signal, ending the drain now")
             shutdown.force()
             return
         signalled = True
-        log.info("shutdown: received SIGTERM")
+        log.info("shutdown: stopping on a signal")
         try:
             reactor.stop()
         except ReactorNotRunning:
@@ -57,6 +58,7 @@ def install_signal_handlers(
         return handler
 
     signal.signal(signal.SIGTERM, later(stop))
+    signal.signal(signal.SIGINT, later(stop))
     signal.signal(signal.SIGUSR1, later(reopen))
     if reload is not None:
         signal.signal(signal.SIGHUP, later(reload))
