@@ -103,7 +103,7 @@ class Reloadable(Protocol):
     @property
     def vllm(self) -> VllmManager | None: ...
 
-    def facade_resource(self, engine_config: EngineConfig) -> tuple[Any, Any]: ...
+    def rebuild_facade(self, engine_id: str) -> None: ...
 
     def admin_site(self) -> GuardedSite | None: ...
 
@@ -176,6 +176,8 @@ class Reloader:
                 state_ttl=vllm_old.state_ttl,
             )
             new = evolve(new, engines=engines)
+        # One line per component; each takes what it needs of the new config
+        # and returns the keys that changed.
         changed: list[str] = []
         changed += _apply_log(old, new)
         changed += _apply_dispatch(service, old, new)
@@ -209,7 +211,7 @@ class Reloader:
             running = service.listeners.get(engine_id)
             if managed:
                 if running is not None:
-                    self._rebuild(engine_id)
+                    service.rebuild_facade(engine_id)
                 continue
             if engine_config.enabled and running is None:
                 service.engine_configs[engine_id] = engine_config
@@ -242,7 +244,7 @@ class Reloader:
                     )
             if before != engine_config and f"engines.{engine_id}.port" not in changed:
                 changed.append(f"engines.{engine_id}")
-            self._rebuild(engine_id)
+            service.rebuild_facade(engine_id)
         if old.nodes != new.nodes:
             changed.append("nodes")
         if (old.dispatch.response_header_timeout, old.dispatch.stream_idle_timeout) != (
@@ -252,16 +254,6 @@ class Reloader:
             changed.append("dispatch timeouts")
         service.endpoints_changed()
         return changed
-
-    def _rebuild(self, engine_id: str) -> None:
-        """New requests to C{engine_id}'s facade take the new config."""
-        service = self._service
-        site = service.sites.get(engine_id)
-        if site is not None:
-            _facade, resource = service.facade_resource(
-                service.engine_configs[engine_id]
-            )
-            site.resource = resource
 
 
 def _apply_log(old: Config, new: Config) -> list[str]:

@@ -295,6 +295,17 @@ class NvProxy(MultiService):
         )
         self.ops.reloader = reloader.reload
 
+    def rebuild_facade(self, engine_id: str) -> None:
+        """
+        New requests to C{engine_id}'s running facade take the current
+        config (a reload); requests in flight keep theirs.
+        """
+        site = self.sites.get(engine_id)
+        if site is not None:
+            facade, resource = self.facade_resource(self.engine_configs[engine_id])
+            self.facades[engine_id] = facade
+            site.resource = resource
+
     def admin_site(self) -> GuardedSite | None:
         return self._admin_site
 
@@ -481,7 +492,7 @@ class NvProxy(MultiService):
 
     def _link_closed(self) -> None:
         # §11: broker link closed -> facades stop serving, the pool closes.
-        if self.running:
+        if self.running and not self.shutdown.draining:
             log.info("stopping: the broker link is closed")
             self.reactor.stop()
 
