@@ -155,7 +155,8 @@ class ShutdownTests(TestCase):
             Behaviour(latency=20.0),
         )
         daemon = _Daemon(self)
-        daemon.write(ollama, openai)
+        events = os.path.join(daemon.directory, "workloads.jsonl")
+        daemon.write(ollama, openai, f'[workloads]\nlog = "{events}"')
         await daemon.start()
         client = Client(reactor)
         self.addCleanup(client.close)
@@ -218,6 +219,11 @@ class ShutdownTests(TestCase):
         self.assertIn("Ollama facade stopped listening on 127.0.0.1:", output)
         self.assertNotIn(" object at 0x", output)
         self.assertNotIn("starting on", output)
+        # The workload events say what happened to each.
+        with open(events) as f:
+            infos = [json.loads(line)["params"]["workloadInfo"] for line in f]
+        final = {info["model"]: info["state"] for info in infos}
+        self.assertEqual(final, {"qwen": "cancelled", "llama3:latest": "completed"})
 
     async def test_second_sigterm(self) -> None:
         """
