@@ -52,6 +52,7 @@ class AdminBackend(Protocol):
     def sleep(self, service: str, level: int) -> Deferred[Mapping[str, Any]]: ...
 
     def drain(self, draining: bool) -> Mapping[str, Any]: ...
+    def reload(self) -> Deferred[Mapping[str, Any]]: ...
 
 
 #: What a route raises to answer with an error (the operations' own error).
@@ -153,6 +154,10 @@ def admin_app(
     @app.route("/admin/drain", methods=["DELETE"])
     def undrain(request: Any) -> bytes:
         return _json(request, 200, backend.drain(False))
+
+    @app.route("/admin/reload", methods=["POST"])
+    async def reload(request: Any) -> bytes:
+        return _json(request, 200, await backend.reload())
 
     @app.route("/metrics", methods=["GET"])
     def metrics(request: Any) -> bytes:

@@ -20,6 +20,13 @@ C{E:set-port}               in           C{{port}} -> C{{engine, port, persisted
 C{node/set-priority}        in           C{{generation, priority, pending?,
                                          gpuPressure?}} -> C{{applied}}
 C{log/set-level}            in           C{{level}}
+C{E:discovery:nodes}        in           C{{nodes: [{nodeId, url | peer, models}]}}
+                                         -> C{{engine, nodes}}
+C{E:discovery:subscribe}    in           -> C{{engine, subscribed}}
+C{[E:]errors:report}        in           C{{kind?, message?}}: logged -> C{{logged}}
+C{E:discovery:nodes}        out          C{{generation, nodes: [{nodeId, kind, url,
+                                         peer?, models}]}} after a subscribe, on change
+C{discovery:node-activity}  out          C{{nodes: {NODE: in-flight}}} on change
 C{E:ready}                  out          C{{port}} once a facade listens
 C{E:error}                  out          C{{kind, message}} (e.g. a lost bind race)
 C{workload:*}               out          C{{workloadInfo}} (spec §5.5)
@@ -48,9 +55,10 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nvproxy.brokerdiscovery import BrokerDiscovery, SnapshotError
 from nvproxy.config import format_size
 from nvproxy.engines import ENGINES
-from nvproxy.logs import LEVELS
+from nvproxy.logs import LEVELS, clip
 from nvproxy.ops import OperationError
 from nvproxy.scheduler import SchedulerSnapshot
 from nvproxy.workload import WorkloadInfo, notification
@@ -107,6 +115,8 @@ class ControlTarget(Protocol):
 
     def set_log_level(self, level: str) -> None: ...
 
+    def reservation_counts(self) -> Mapping[str, int]: ...
+
 
 def split_address(method: str) -> tuple[str | None, str]:
     """
@@ -119,7 +129,16 @@ def split_address(method: str) -> tuple[str | None, str]:
     return None, method
 
 
-_FACADE_SCOPED = frozenset({"node/select", "set-port", "ready", "error"})
+_FACADE_SCOPED = frozenset(
+    {
+        "node/select",
+        "set-port",
+        "ready",
+        "error",
+        "discovery:nodes",
+        "discovery:subscribe",
+    }
+)
 
 
 class ControlLink(protocol.Protocol):
@@ -137,8 +156,10 @@ class ControlLink(protocol.Protocol):
         target: ControlTarget,
         on_close: Callable[[], None],
         max_line: int = MAX_LINE,
+        discovery: BrokerDiscovery | None = None,
     ) -> None:
         self._target = target
+        self._discovery = discovery
         self._on_close = on_close
         self.max_line = max_line
         self.open = False
@@ -148,9 +169,13 @@ class ControlLink(protocol.Protocol):
     def connectionMade(self) -> None:
         self.open = True
         log.info("broker link attached")
+        if self._discovery is not None:
+            self._discovery.attach(self.notify, self._target.reservation_counts)
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         self.open = False
+        if self._discovery is not None:
+            self._discovery.detach()
         why = reason.getErrorMessage() if reason is not None else "closed"
         log.info("broker link closed: {why}", why=why)
         self._on_close()
@@ -305,6 +330,11 @@ class ControlLink(protocol.Protocol):
             return self._target.set_port(engine, _port_param(params, "port"))
         if name == "node/set-priority":
             return {"applied": self._target.apply_priority(_snapshot(params))}
+        if name in ("discovery:nodes", "discovery:subscribe"):
+            assert engine is not None
+            return self._discovery_call(engine, name, params)
+        if name == "errors:report":
+            return _report(engine, params)
         if name == "log/set-level":
             level = params.get("level")
             if level not in LEVELS:
@@ -312,6 +342,18 @@ class ControlLink(protocol.Protocol):
             self._target.set_log_level(level)
             return {"level": level}
         raise ControlError(METHOD_NOT_FOUND, f"unknown method {method!r}")
+
+    def _discovery_call(
+        self, engine: str, name: str, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        if self._discovery is None:
+            raise ControlError(METHOD_NOT_FOUND, f"{name} is not available")
+        if name == "discovery:subscribe":
+            return dict(self._discovery.subscribe(engine))
+        try:
+            return dict(self._discovery.feed(engine, params))
+        except SnapshotError as e:
+            raise ControlError(INVALID_PARAMS, f"discovery:nodes: {e}") from None
 
     def _enable(self, params: dict[str, Any]) -> Deferred[dict[str, Any]]:
         engine = _engine_param(params)
@@ -339,6 +381,23 @@ class ControlLink(protocol.Protocol):
 
 
 _TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
+
+
+def _report(engine: str | None, params: Mapping[str, Any]) -> dict[str, Any]:
+    """C{errors:report}: logged (its string fields only, each clipped)."""
+    fields = {
+        key: clip(value)
+        for key, value in sorted(params.items())
+        if isinstance(key, str) and isinstance(value, str)
+    }
+    log.warn(
+        "broker reported an error{about}: {kind}: {text}",
+        about=f" for {engine}" if engine else "",
+        kind=fields.get("kind", "error"),
+        text=fields.get("message", ""),
+        report=json.dumps(fields, sort_keys=True),
+    )
+    return {"logged": True}
 
 
 def _no_constant(name: str) -> object:

@@ -530,6 +530,7 @@ class _JobCore:
     backoffs: int = 0
     ownerless: bool = False
     client_gone: bool = False
+    committed: bool = False
     failures: list[AttemptFailed] = field(factory=list)
 
     # -- hooks (guarded) --------------------------------------------------
@@ -829,6 +830,7 @@ def _build_machine() -> Callable[[_JobCore], _JobInputs]:
             node=committed.node_id,
             status=committed.status,
         )
+        core.committed = True
         core.notify(
             "committed",
             lambda: core.observer.committed(committed.node_id, committed.status),
@@ -959,6 +961,8 @@ class Dispatcher:
         self._policy = policy
         self._random = random
         self._jobs: dict[int, _JobInputs] = {}
+        self._cores: dict[int, _JobCore] = {}
+        self._idle: list[Deferred[None]] = []
         self._ids = itertools.count(1)
         self._stopped = False
 
@@ -1026,11 +1030,17 @@ class Dispatcher:
 
         def forget() -> None:
             self._jobs.pop(job, None)
+            self._cores.pop(job, None)
             if unsubscribe is not None:
                 _guarded("unsubscribe", unsubscribe)
+            if not self._jobs:
+                waiters, self._idle = self._idle, []
+                for waiter in waiters:
+                    waiter.callback(None)
 
         core.on_finish = forget
         self._jobs[job] = machine
+        self._cores[job] = core
         machine.start()
         return core.result
 
@@ -1053,6 +1063,32 @@ class Dispatcher:
         self._stopped = True
         for machine in list(self._jobs.values()):
             machine.stop("shutdown")
+
+    def set_policy(self, policy: DispatchPolicy) -> None:
+        """Jobs dispatched from now on follow C{policy} (a reload)."""
+        self._policy = policy
+
+    def drain(self) -> None:
+        """
+        Refuse new jobs and answer every job not yet committed with 503
+        L{RejectReason.SHUTDOWN} (it never reached an engine, so its client
+        may retry elsewhere); committed jobs go on streaming.
+        """
+        self._stopped = True
+        for job, machine in list(self._jobs.items()):
+            core = self._cores.get(job)
+            if core is not None and not core.committed:
+                machine.stop("shutdown")
+
+    def idle(self) -> Deferred[None]:
+        """
+        Fires once no job is in flight (at once if none is).
+        """
+        if not self._jobs:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._idle.append(waiter)
+        return waiter
 
     def inflight(self) -> int:
         """

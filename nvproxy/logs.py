@@ -14,6 +14,7 @@ so the output is plain JSON Lines.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from datetime import UTC, datetime
 from typing import IO, Final
@@ -21,13 +22,16 @@ from typing import IO, Final
 from twisted.logger import (
     FileLogObserver,
     FilteringLogObserver,
+    ILogFilterPredicate,
     ILogObserver,
     LogEvent,
     LogLevel,
     LogLevelFilterPredicate,
+    PredicateResult,
     formatEvent,
     formatEventAsClassicLogText,
 )
+from zope.interface import implementer
 
 
 def event_as_json_line(event: LogEvent) -> str:
@@ -101,12 +105,68 @@ def current_level() -> str:
     return name
 
 
+_PORT_CHATTER = re.compile(r"\S+ starting on \d+|\((TCP|UDP|UNIX) Port \S+ Closed\)")
+
+
+@implementer(ILogFilterPredicate)
+class _QuietPorts:
+    """
+    Drops twisted.internet's own "<Factory> starting on N" and "(TCP Port N
+    Closed)" lines: each listener logs its start and stop itself, by name.
+    """
+
+    def __call__(self, event: LogEvent) -> PredicateResult:
+        text = event.get("log_text")
+        result: PredicateResult = PredicateResult.maybe
+        if (
+            event.get("log_namespace") == "log_legacy"
+            and isinstance(text, str)
+            and _PORT_CHATTER.fullmatch(text)
+        ):
+            result = PredicateResult.no
+        return result
+
+
+_quiet_ports = _QuietPorts()
+
+
 def level_filtered(observer: ILogObserver) -> ILogObserver:
     """
     C{observer} behind the process-wide level filter that L{set_level}
     changes.
     """
-    return FilteringLogObserver(observer, [_level])
+    return FilteringLogObserver(observer, [_level, _quiet_ports])
+
+
+class ReopenableFile:
+    """
+    A log file that L{reopen_logs} closes and opens again by name (after
+    logrotate moved it: SIGUSR1).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: IO[str] = open(path, "a", encoding="utf-8")
+        _reopenable.append(self)
+
+    def write(self, text: str) -> int:
+        return self._file.write(text)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def reopen(self) -> None:
+        old, self._file = self._file, open(self.path, "a", encoding="utf-8")
+        old.close()
+
+
+_reopenable: list[ReopenableFile] = []
+
+
+def reopen_logs() -> None:
+    """Reopen every log file by name (SIGUSR1)."""
+    for log_file in _reopenable:
+        log_file.reopen()
 
 
 _twistd_settings: dict[str, object] = {
@@ -157,7 +217,7 @@ def twistd_observer() -> ILogObserver:
     elif logfile == "-" or (logfile is None and settings["nodaemon"]):
         out = sys.stdout
     else:
-        out = open(logfile or "twistd.log", "a", encoding="utf-8")
+        out = ReopenableFile(logfile or "twistd.log")  # type: ignore[assignment]
     inner = json_observer(out) if settings["format"] == "json" else text_observer(out)
     set_level(str(settings["level"]))
     return level_filtered(inner)

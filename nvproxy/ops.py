@@ -142,6 +142,7 @@ class Operations:
         self._endpoints_changed = endpoints_changed
         self._cluster = cluster
         self._vllm = vllm
+        self.reloader: Callable[[], Deferred[Mapping[str, Any]]] | None = None
 
     # -- facades (the broker's facade/enable, facade/disable) ---------------
 
@@ -263,6 +264,16 @@ class Operations:
                 500, f"cannot persist the drain state: {e.strerror or e}"
             ) from None
         return {"node_id": self._node_id, "draining": draining}
+
+    def reload(self) -> Deferred[Mapping[str, Any]]:
+        """
+        Reload the configuration file and the cluster dir (SIGHUP, the
+        admin API, the broker): see L{nvproxy.reload}.  Refused with 400
+        and C{errors} (one line per problem) when the file has problems.
+        """
+        if self.reloader is None:
+            raise OperationError(409, "this daemon has no configuration to reload")
+        return self.reloader()
 
     # -- vLLM (FD §6.5) -----------------------------------------------------
 

@@ -171,6 +171,8 @@ class ReservationMap:
         self._snapshot: SchedulerSnapshot | None = None
         self._generation = _NO_GENERATION
         self._counts: dict[str, int] = {}
+        #: Called after any count changes (the broker's node activity).
+        self.on_change: Callable[[], None] | None = None
 
     @property
     def generation(self) -> int:
@@ -195,6 +197,7 @@ class ReservationMap:
         self._snapshot = snapshot
         self._generation = snapshot.generation
         self._counts.clear()
+        self._changed()
         return True
 
     def reserve(self, node_id: str) -> Reservation:
@@ -225,8 +228,13 @@ class ReservationMap:
             nodes.update(self._snapshot.priority)
         return MappingProxyType({n: self.load(n) for n in sorted(nodes)})
 
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
     def _count(self, node_id: str) -> None:
         self._counts[node_id] = self._counts.get(node_id, 0) + 1
+        self._changed()
 
     def _uncount(self, node_id: str) -> None:
         remaining = self._counts.get(node_id, 0) - 1
@@ -236,6 +244,7 @@ class ReservationMap:
             # Unreachable below zero by construction; dropping the key keeps
             # snapshot_of_loads() from listing nodes nobody knows about.
             self._counts.pop(node_id, None)
+        self._changed()
 
 
 def _load_function(

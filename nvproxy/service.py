@@ -7,6 +7,7 @@ wires them together.  It is the only module that imports the global reactor
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import socket
@@ -17,7 +18,7 @@ from typing import IO, Any
 from attrs import evolve
 from prometheus_client import CollectorRegistry
 from twisted.application.service import MultiService
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList, gatherResults, maybeDeferred
 from twisted.internet.interfaces import (
     IOpenSSLClientConnectionCreator,
     IProtocolFactory,
@@ -28,6 +29,7 @@ from twisted.python import usage
 
 from nvproxy.accounting import Accounting
 from nvproxy.admin import admin_app, admin_resource
+from nvproxy.brokerdiscovery import BrokerDiscovery
 from nvproxy.cluster import (
     ClientTLS,
     ClusterDir,
@@ -37,11 +39,13 @@ from nvproxy.cluster import (
     ServerTLS,
 )
 from nvproxy.config import (
+    FLAG_NAMES,
     Config,
     ConfigError,
     EngineConfig,
     LimitsConfig,
     Options,
+    load_config,
     resolve_node_id,
 )
 from nvproxy.control import ControlLink
@@ -79,7 +83,10 @@ from nvproxy.proxy.listener import DemuxFactory, PortListener, tls_personality
 from nvproxy.proxy.site import ClientLimits, FacadeSite, GuardedSite
 from nvproxy.proxy.upstream import TreqInventoryClient, Upstream
 from nvproxy.readiness import AWAKE, ModelReadiness
+from nvproxy.reload import Reloader
 from nvproxy.scheduler import ReservationMap
+from nvproxy.shutdown import Shutdown
+from nvproxy.signals import install_signal_handlers
 from nvproxy.statuspage import StatusPage
 from nvproxy.vllm import VllmManager
 from nvproxy.workload import JsonLinesSink, RingSink, WorkloadRecorder, WorkloadSink
@@ -163,6 +170,8 @@ class NvProxy(MultiService):
         self.config = config
         # Who may call each facade (DESIGN §3a); a bad keys file stops us.
         self.key_policies = _key_policies(config, reactor)
+        # engine -> its facade's network gate (shared by its aliases)
+        self.gates: dict[str, NetworkGate] = {}
         self.upstream = Upstream(
             reactor,
             config.dispatch.dial_timeout,
@@ -229,8 +238,11 @@ class NvProxy(MultiService):
                 changed=self._readiness_changed,
             )
         self.fleet = Fleet(self.record, self.peer_records or self.etcd_peers)
+        # With the broker link, the broker may feed an engine's inventory
+        # (nvproxy.brokerdiscovery): polling publishes beside it.
+        polled = self.discovery if config.control is None else Discovery()
         self.polling = PollingDiscovery(
-            self.discovery,
+            polled,
             self.inventory_client,
             reactor,
             self._endpoints(),
@@ -257,13 +269,27 @@ class NvProxy(MultiService):
         self.dispatcher = Dispatcher(
             reactor, config.dispatch.policy, random=random.Random().random
         )
+        self.shutdown = Shutdown(
+            reactor,
+            config.shutdown_grace,
+            self.dispatcher,
+            self._close_ports,
+            self._close_connections,
+        )
         self.reservations = ReservationMap()
+        self.broker_discovery: BrokerDiscovery | None = None
+        if config.control is not None:
+            self.broker_discovery = BrokerDiscovery(
+                polled, self.discovery, node_id, self._peer_url, reactor
+            )
+            self.reservations.on_change = self.broker_discovery.activity_changed
         self.workloads = RingSink(maxlen=1000)
         self.facades: dict[str, Facade] = {}
         self.listeners: dict[str, PortListener] = {}
         self.aliases: list[PortListener] = []
         self.sites: dict[str, FacadeSite] = {}
         self._engine_aliases: dict[str, list[PortListener]] = {}
+        self._admin_site: GuardedSite | None = None
         self.ops = Operations(
             node_id=node_id,
             clock=reactor,
@@ -293,6 +319,7 @@ class NvProxy(MultiService):
                 self.ops,
                 lambda: self._link_closed(),
                 max_line=config.control_max_line,
+                discovery=self.broker_discovery,
             )
             sinks.append(self.link)
         self._workload_file: IO[str] | None = None
@@ -342,6 +369,7 @@ class NvProxy(MultiService):
                 status_page=self.status_page,
             )
             site = _plain_site(admin_resource(admin), reactor, config.limits)
+            self._admin_site = site
             self.admin = PortListener(reactor, "admin API", host, port, site)
             self.admin.setServiceParent(self)  # type: ignore[no-untyped-call]
 
@@ -349,6 +377,57 @@ class NvProxy(MultiService):
         """Whether some node advertises C{model} for C{engine} (metric labels)."""
         entries = self.discovery.current.engines.get(engine, {})
         return any(model in entry.models for entry in entries.values())
+
+    def enable_reload(self, load: Callable[[], Config]) -> None:
+        """
+        Let SIGHUP and C{POST /admin/reload} re-read the configuration with
+        C{load} (the file, flags and environment of the start).
+        """
+        reloader = Reloader(
+            self,
+            load,
+            lambda c: self.ops.enable_facade(c.id, c.port, c.aliases, False),
+            self.ops.disable_facade,
+        )
+        self.ops.reloader = reloader.reload
+
+    def rebuild_facade(self, engine_id: str) -> None:
+        """
+        New requests to C{engine_id}'s running facade take the current
+        config (a reload); requests in flight keep theirs.
+        """
+        site = self.sites.get(engine_id)
+        if site is not None:
+            facade, resource = self.facade_resource(self.engine_configs[engine_id])
+            self.facades[engine_id] = facade
+            site.resource = resource
+
+    def reload_access(self, new: Config) -> list[str]:
+        """
+        A reload's access rules: new key rules (every keys file read
+        afresh) for the facades rebuilt next, new source networks for the
+        running listeners at once.
+
+        @raise ConfigError: a keys file cannot be used (nothing changed).
+        """
+        policies = _key_policies(new, self.reactor)
+        changed = []
+        for engine_id in new.engines:
+            before = self.config.engines[engine_id].access_in(self.config)
+            after = new.engines[engine_id].access_in(new)
+            if before != after:
+                changed.append(f"engines.{engine_id}.access")
+            gate = self.gates.get(engine_id)
+            if gate is not None:
+                gate.networks = tuple(after.plaintext_from)
+        self.key_policies = policies
+        return changed
+
+    def admin_site(self) -> GuardedSite | None:
+        return self._admin_site
+
+    def endpoints_changed(self) -> None:
+        self.polling.set_endpoints(self._endpoints())
 
     # -- cluster ----------------------------------------------------------
 
@@ -374,6 +453,17 @@ class NvProxy(MultiService):
                             )
                         )
         return endpoints
+
+    def _peer_url(self, engine: str, peer_id: str) -> str | None:
+        """Where pinned peer C{peer_id}'s C{engine} facade answers, if pinned."""
+        if self.cluster is None or not self.cluster.current.member:
+            return None
+        for peer in self.cluster.current.peers:
+            if peer.id == peer_id:
+                host = f"[{peer.address}]" if ":" in peer.address else peer.address
+                port = peer.port(engine) or ENGINES[engine].standalone_port
+                return f"https://{host}:{port}"
+        return None
 
     def _cluster_changed(self) -> None:
         """
@@ -522,7 +612,11 @@ class NvProxy(MultiService):
             tls = tls_personality(self.server_tls, site, self.reactor)
         return DemuxFactory(site, tls, self.reactor, allow_plaintext_from=gate)
 
-    def _add_facade(self, engine_config: EngineConfig) -> None:
+    def facade_resource(self, engine_config: EngineConfig) -> tuple[Facade, Any]:
+        """
+        The request path of C{engine_config}'s facade, from the current
+        config: its plaintext personality and the resource a site serves.
+        """
         engine = ENGINES[engine_config.id]
         backend = self._backend(engine)
         dispatch = self.config.dispatch
@@ -540,10 +634,6 @@ class NvProxy(MultiService):
             inventory=self.inventory_client,
             keys=self.key_policies.get(engine.id),
         )
-        access = engine_config.access_in(self.config)
-        gate = NetworkGate(access.plaintext_from)
-        for warning in access_warnings(access, self.config.listen_interface):
-            log.warn("{engine} facade: {warning}", engine=engine.id, warning=warning)
         peer = None
         if self.server_tls is not None:
             peer = PeerFacade(
@@ -551,14 +641,25 @@ class NvProxy(MultiService):
                 peer_of=self._peer_of,
                 node_record=lambda: encode(self.record.current()),
             )
+        return facade, personalities(facade, peer)
+
+    def _add_facade(self, engine_config: EngineConfig) -> None:
+        engine = ENGINES[engine_config.id]
+        facade, resource = self.facade_resource(engine_config)
+        access = engine_config.access_in(self.config)
+        gate = NetworkGate(access.plaintext_from)
+        self.gates[engine.id] = gate
+        for warning in access_warnings(access, self.config.listen_interface):
+            log.warn("{engine} facade: {warning}", engine=engine.id, warning=warning)
         limits = self.config.limits
         site = FacadeSite(
-            personalities(facade, peer),
+            resource,
             error_body=engine.error_body,
             max_body=limits.max_body,
             max_connections=limits.max_connections,
             limits=_client_limits(limits),
             reactor=self.reactor,
+            access_log=self.config.log_access,
         )
         port = engine_config.port
         listener = PortListener(
@@ -615,17 +716,40 @@ class NvProxy(MultiService):
 
     def _link_closed(self) -> None:
         # §11: broker link closed -> facades stop serving, the pool closes.
-        if self.running:
+        if self.running and not self.shutdown.draining:
             log.info("stopping: the broker link is closed")
             self.reactor.stop()
 
+    def _close_ports(self) -> Deferred[Any]:
+        listeners = [*self.listeners.values(), *self.aliases]
+        if self.config.admin_enabled:
+            listeners.append(self.admin)
+        return gatherResults(
+            [maybeDeferred(listener.stopService) for listener in listeners],
+            consumeErrors=True,
+        )
+
+    def _close_connections(self, timeout: float) -> Deferred[Any]:
+        closing: Deferred[Any] = gatherResults(
+            [site.close_connections() for site in self.sites.values()],
+            consumeErrors=True,
+        )
+        # Past the timeout the reactor's shutdown drops what is left.
+        closing.addTimeout(timeout, self.reactor)
+        closing.addErrback(lambda _: None)
+        return closing
+
     def stopService(self) -> Deferred[Any]:
-        self.dispatcher.shutdown()
         if self.status_page is not None:
             # Event streams never end on their own.
             self.status_page.feed.close()
-        d = super().stopService()  # type: ignore[no-untyped-call]
-        stopped: Deferred[Any] = d if isinstance(d, Deferred) else succeed(None)
+
+        # The drain (nvproxy.shutdown) first, then every other service.
+        async def stop() -> None:
+            await self.shutdown.begin()
+            await maybeDeferred(super(NvProxy, self).stopService)
+
+        stopped: Deferred[Any] = Deferred.fromCoroutine(stop())
         stopped.addBoth(lambda _: self.upstream.close())
         stopped.addBoth(lambda _: self._close_workload_log())
         return stopped
@@ -710,7 +834,7 @@ def _client_limits(limits: LimitsConfig) -> ClientLimits:
     )
 
 
-def _plain_site(resource: Any, reactor: Any, limits: LimitsConfig) -> IProtocolFactory:
+def _plain_site(resource: Any, reactor: Any, limits: LimitsConfig) -> GuardedSite:
     # The admin listener: the facades' head limits, JSON errors.
     return GuardedSite(resource, limits=_client_limits(limits), reactor=reactor)
 
@@ -756,4 +880,12 @@ def makeService(options: usage.Options) -> NvProxy:
         node=service.node_id,
         engines=",".join(service.facades) or "none (waiting for facade/enable)",
     )
+    flags = {name: options[name] for name in FLAG_NAMES}
+    service.enable_reload(lambda: load_config(options["config"], flags, os.environ))
+
+    def on_hup() -> None:
+        # Errors are logged by the reload itself.
+        service.ops.reload().addErrback(lambda _: None)
+
+    reactor.callWhenRunning(install_signal_handlers, reactor, service.shutdown, on_hup)
     return service

@@ -51,6 +51,7 @@ from nvproxy.config import (
 )
 from nvproxy.keyring import hash_key
 from nvproxy.net import is_loopback
+from nvproxy.ops import OperationError
 from nvproxy.proxy.access import NetworkGate, access_warnings
 from nvproxy.proxy.backendauth import BackendKeyError, KeyedAgent, read_backend_key
 from nvproxy.service import NvProxy, build
@@ -816,4 +817,44 @@ class NetnsKeyTests(AccessTestCase):
         code, _, _ = await self.client.request(
             "GET", f"http://127.0.0.1:{port}/api/tags"
         )
+        self.assertEqual(code, 200)
+
+
+class ReloadAccessTests(AccessTestCase):
+    """A reload (SIGHUP, POST /admin/reload) changes who may call, at once."""
+
+    async def test_networks_and_keys_reloaded(self) -> None:
+        fake = await self.engine("openai", ["m"])
+        proxy = await self.keyed_proxy(
+            {"vllm": fake.url}, AccessConfig(plaintext_from=ONLY_ONE)
+        )
+        url = facade_url(proxy, "vllm") + "/v1/models"
+        with self.assertRaises(_REFUSED):
+            await self.call(self.from_source(), "GET", url)
+        keys = self.keys_file(svc=KEY)
+        wider = AccessConfig(
+            plaintext_from=(*ONLY_ONE, ipaddress.ip_network("127.0.0.2/32")),
+            api_keys_file=keys,
+            require_key_on_loopback=True,
+        )
+        loads = [evolve(proxy.config, access=wider)]
+        proxy.enable_reload(lambda: loads[0])
+        result = await proxy.ops.reload()
+        self.assertIn("engines.vllm.access", result["changed"])
+        # 127.0.0.2 is let in now, and needs the new key (it is loopback:
+        # require_key_on_loopback)
+        code, _, _ = await self.call(self.from_source(), "GET", url)
+        self.assertEqual(code, 401)
+        auth = {"Authorization": [f"Bearer {KEY}"]}
+        code, _, _ = await self.call(self.from_source(), "GET", url, headers=auth)
+        self.assertEqual(code, 200)
+        # a keys file that cannot be read refuses the reload, keeping the rules
+        loads[0] = evolve(
+            proxy.config,
+            access=evolve(wider, api_keys_file=os.path.join(self.mktemp(), "none")),
+        )
+        with self.assertRaises(OperationError) as caught:
+            await proxy.ops.reload()
+        self.assertEqual(caught.exception.status, 400)
+        code, _, _ = await self.call(self.from_source(), "GET", url, headers=auth)
         self.assertEqual(code, 200)

@@ -107,12 +107,12 @@ class AdminTests(ProxyTestCase):
         def ctl(*argv: str) -> Any:
             return nvproxyctl(address, *argv)
 
-        code, out = await ctl("status")
+        code, out = await ctl("--json", "status")
         self.assertEqual(code, 0, out)
         status = json.loads(out)
         self.assertEqual(status["node_id"], "local")
         self.assertEqual(status["nodes"], {"local": {"ollama": ["m:latest"]}})
-        code, out = await ctl("select", "ollama", "local")
+        code, out = await ctl("--json", "select", "ollama", "local")
         self.assertEqual((code, json.loads(out)["selected"]), (0, "local"))
         self.assertEqual(proxy.pins, {"ollama": "local"})
         code, out = await ctl("select", "ollama", "--clear")
@@ -121,7 +121,7 @@ class AdminTests(ProxyTestCase):
         code, out = await ctl("set-port", "nope", "9999")
         self.assertEqual(code, 1, out)
         code, out = await ctl("--admin", "127.0.0.1:1", "status")
-        self.assertEqual(code, 1)
+        self.assertEqual(code, 2)
         self.assertIn("cannot reach the admin API", out)
 
     async def test_status_process(self) -> None:

@@ -1481,6 +1481,7 @@ class SettingsTableTests(LoadTestsMixin):
             "http://10.0.0.1:2379, http://10.0.0.2:2379",
             'discovery.endpoints = ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]',
         ),
+        "shutdown-grace": ("5s", 'shutdown.grace = "5s"'),
     }
 
     def test_flag_env_and_file_agree(self) -> None:
@@ -1558,6 +1559,8 @@ class SettingsTableTests(LoadTestsMixin):
                 "access.plaintext_from": "127.0.0.0/8, ::1/128",
                 "access.require_key_on_loopback": "false",
                 "access.max_concurrent_per_key": "0",
+                "shutdown.grace": "30s",
+                "log.access": "true",
             },
         )
         self.assertEqual(self.load().dispatch.policy, DispatchPolicy())

@@ -389,7 +389,7 @@ class FleetTests(ProxyTestCase):
         # persisted, and undone
         self.assertTrue(DrainState(b.config.state_dir).draining)
         code, out = await nvproxyctl(
-            f"127.0.0.1:{b.admin.bound_port()}", "drain", "--off"
+            f"127.0.0.1:{b.admin.bound_port()}", "--json", "drain", "--off"
         )
         self.assertEqual(code, 0, out)
         self.assertFalse(json.loads(out)["draining"])

@@ -310,6 +310,7 @@ class StatusTests(SynchronousTestCase):
             sorted(status),
             [
                 "cluster",
+                "discovery",
                 "draining",
                 "ejected",
                 "facades",

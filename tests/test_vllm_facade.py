@@ -354,7 +354,7 @@ class VllmFacadeTests(ProxyTestCase):
         code, out = await ctl("sleep", "text", "--level", "1")
         self.assertEqual(code, 0, out)
         self.assertTrue(text.is_sleeping)
-        code, out = await ctl("status")
+        code, out = await ctl("--json", "status")
         services = {s["name"]: s for s in json.loads(out)["vllm"]}
         self.assertEqual(services["text"]["sleep_depth"], "sleeping")
         code, out = await ctl("wake", "text")
@@ -362,6 +362,29 @@ class VllmFacadeTests(ProxyTestCase):
         self.assertFalse(text.is_sleeping)
         code, out = await ctl("wake", "nope")
         self.assertEqual(code, 1, out)
+
+    async def test_nvproxyctl_wake_wait(self) -> None:
+        """
+        C{wake --wait} shows the state changes with the time elapsed until
+        awake; C{--timeout} covers the whole wake, and running out of it is
+        said as such (exit 1), not as an unreachable daemon.
+        """
+        proxy, text, _, _ = await self.start()
+        address = f"127.0.0.1:{proxy.admin.bound_port()}"
+        code, out = await nvproxyctl(address, "sleep", "text", "--level", "1")
+        self.assertEqual(code, 0, out)
+        text.wake_latency = 1.2
+        code, out = await nvproxyctl(address, "wake", "text", "--wait")
+        self.assertEqual(code, 0, out)
+        lines = out.splitlines()
+        self.assertRegex(lines[0], r"^ +\d+\.\ds  (asleep|waking) \(sleeping\)$")
+        self.assertRegex(lines[-1], r"^text is awake after \d+\.\ds$")
+        self.assertTrue(any("waking" in line for line in lines), out)
+        await nvproxyctl(address, "sleep", "text", "--level", "1")
+        text.wake_latency = 3.0
+        code, out = await nvproxyctl(address, "--timeout", "0.5", "wake", "text")
+        self.assertEqual(code, 1, out)
+        self.assertIn("text is not awake after 0.5s; the wake goes on", out)
 
     async def test_modelless_routes_never_wake(self) -> None:
         """

@@ -53,6 +53,14 @@ class Options(usage.Options):
         "environment, which wins over the config file."
     )
     optParameters = option_parameters()
+    optFlags = [
+        [
+            "check",
+            None,
+            "Validate the configuration, print every problem and exit"
+            " (status 0 when valid, 2 otherwise); start nothing.",
+        ]
+    ]
 
     config: Config
 
@@ -81,6 +89,10 @@ class Options(usage.Options):
                 raise usage.UsageError(str(e)) from None
             # The flags were fine, their values were not: no pointer to --help.
             _exit(str(e))
+        if self["check"]:
+            where = self["config"] or "flags and environment"
+            print(f"nvproxy: configuration OK ({where})")
+            raise SystemExit(0)
         if parent is not None and not parent.get("logger"):
             parent["logger"] = configure_twistd(
                 self.config.log_format,

@@ -507,6 +507,20 @@ TOP: Final = Section(
         ),
         *_ACCESS,
         Setting(
+            "shutdown.grace",
+            duration(zero=True),
+            "On SIGTERM, committed requests get this long to finish; the rest"
+            " are then cancelled.",
+            flag="shutdown-grace",
+            into="shutdown_grace",
+        ),
+        Setting(
+            "log.access",
+            BOOL,
+            "Log one access line per request at info.",
+            into="log_access",
+        ),
+        Setting(
             "engines", None, "One table per engine (engines.ENGINE).", entries=ENGINE
         ),
         Setting(

@@ -231,4 +231,6 @@ class Config:
     listen_interface: str = "127.0.0.1"
     workload_log: str | None = None
     access: AccessConfig = field(factory=AccessConfig)
+    shutdown_grace: float = 30.0
+    log_access: bool = True
     config_path: str | None = field(default=None, eq=False)

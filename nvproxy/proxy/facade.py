@@ -40,6 +40,7 @@ from nvproxy.engines import RouteKind
 from nvproxy.jsonhttp import write_json
 from nvproxy.logs import clip
 from nvproxy.proxy.access import KeyGate, KeyPolicy, caller_key
+from nvproxy.proxy.accesslog import access_of
 from nvproxy.proxy.attempt import AttemptSettings, HttpTarget, UpstreamRequest
 from nvproxy.proxy.backends import Answered, Backend, Refused
 from nvproxy.proxy.bodies import (
@@ -132,6 +133,7 @@ class _Front:
 
     def _handle(self, request: Any) -> Any:
         assign_request_id(request)
+        access_of(request).engine = self.engine.id
         if _is_own(request.path):
             # nvproxy's own routes (the node record) exist in peer mode only.
             if self._own(request):
@@ -307,6 +309,7 @@ class Facade(_Front):
         if prepared is None:
             return None
         model, upstream = prepared
+        access_of(request).model = model
         accounting = self._accounting.begin(
             self.engine,
             model,
@@ -574,6 +577,9 @@ def _settle(d: Deferred[JobOutcome], client: ClientSide) -> Deferred[object]:
     """
 
     def settled(outcome: JobOutcome | None) -> object:
+        if outcome is not None:
+            record = access_of(client.request)
+            record.node, record.attempts = outcome.node_id, outcome.attempts
         if client.aborted and not client.gone:
             return client.closed
         return outcome

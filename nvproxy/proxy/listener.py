@@ -201,6 +201,9 @@ class DemuxFactory(ServerFactory):
         self.first_byte_timeout = first_byte_timeout
         self.allow_plaintext_from = allow_plaintext_from
 
+    # The listener logs its own start and stop, without object reprs.
+    noisy = False
+
     def _personalities(self) -> list[IProtocolFactory]:
         return [self.plaintext] if self.tls is None else [self.plaintext, self.tls]
 
@@ -242,6 +245,7 @@ class _TLSProtocol(TLSMemoryBIOProtocol):
 
 class _TLSPersonality(TLSMemoryBIOFactory):
     protocol = _TLSProtocol
+    noisy = False
 
 
 def tls_personality(
@@ -362,6 +366,12 @@ class PortListener(Service):
         super().stopService()  # type: ignore[no-untyped-call]
         port, self.listening = self.listening, None
         if port is not None:
+            log.info(
+                "{label} stopped listening on {interface}:{port}",
+                label=self.label,
+                interface=self.interface,
+                port=_port_of(port),
+            )
             stopped: Deferred[None] | None = port.stopListening()
             return stopped
         return None

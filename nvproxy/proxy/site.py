@@ -36,7 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
-from twisted.internet.interfaces import IAddress, IDelayedCall
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -49,6 +50,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from nvproxy.jsonhttp import json_bytes
+from nvproxy.proxy.accesslog import emit
 
 log = Logger()
 
@@ -370,6 +372,7 @@ class GuardedSite(Site):
     """
 
     protocol = _GuardedChannel  # type: ignore[assignment]
+    noisy = False
 
     def __init__(
         self,
@@ -407,6 +410,9 @@ class FacadeRequest(Request):
     defaultContentType = None
     _received = 0
     _rejected = False
+    _received_at: float | None = None
+    _first_byte_at: float | None = None
+    _clock: IReactorTime
 
     def gotLength(self, length: int | None) -> None:
         limit = _site(self).max_body if self.channel else None
@@ -446,7 +452,29 @@ class FacadeRequest(Request):
         # of the call; process() (called at its end) restores it.
         self._hidden_type = self.requestHeaders.getRawHeaders(b"content-type")
         self.requestHeaders.removeHeader(b"content-type")
+        site = _site(self)
+        if site.access_log:
+            # The channel is gone by the end: keep its clock.
+            self._clock = site.reactor
+            self._received_at = self._clock.seconds()
+            self.notifyFinish().addCallbacks(
+                lambda _: self._access(True), lambda _: self._access(False)
+            )
         Request.requestReceived(self, command, origin_form(path), version)
+
+    def write(self, data: bytes) -> None:
+        if self._first_byte_at is None and self._received_at is not None:
+            self._first_byte_at = self._clock.seconds()
+        Request.write(self, data)
+
+    def _access(self, completed: bool) -> None:
+        assert self._received_at is not None
+        ended = self._clock.seconds()
+        # A proxy error finishes the response inside the dispatcher's call:
+        # the facade notes the job's node and attempts just after.
+        self._clock.callLater(
+            0, emit, self, self._received_at, self._first_byte_at, ended, completed
+        )
 
     def process(self) -> None:
         hidden = getattr(self, "_hidden_type", None)
@@ -466,11 +494,17 @@ class _CountedChannel(_GuardedChannel):
 
     def connectionMade(self) -> None:
         self.site.connections += 1
+        self.site.channels.add(self)
         _GuardedChannel.connectionMade(self)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.connections -= 1
+        self.site.channels.discard(self)
         _GuardedChannel.connectionLost(self, reason)
+        if not self.site.channels:
+            waiters, self.site.closed_waiters = self.site.closed_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
 
 
 class _Overloaded(Protocol):
@@ -507,6 +541,7 @@ class FacadeSite(GuardedSite):
         max_connections: int,
         limits: ClientLimits = ClientLimits(),
         reactor: Any = None,
+        access_log: bool = False,
     ) -> None:
         GuardedSite.__init__(
             self, resource, error_body=error_body, limits=limits, reactor=reactor
@@ -514,6 +549,23 @@ class FacadeSite(GuardedSite):
         self.max_body = max_body
         self.max_connections = max_connections
         self.connections = 0
+        self.access_log = access_log
+        self.channels: set[_CountedChannel] = set()
+        self.closed_waiters: list[Deferred[None]] = []
+
+    def close_connections(self) -> Deferred[None]:
+        """
+        Close every client connection once its buffered bytes are written
+        (shutdown); fires when the last one is gone.
+        """
+        if not self.channels:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self.closed_waiters.append(waiter)
+        for channel in list(self.channels):
+            if channel.transport is not None:
+                channel.transport.loseConnection()
+        return waiter
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
         if self.connections >= self.max_connections:

@@ -490,6 +490,27 @@ class VllmManager(Service):
         core.machine.sleep(level, reply)
         return reply
 
+    def reconfigure(
+        self,
+        hold: VllmHold,
+        state_ttl: float,
+        services: Sequence[VllmServiceConfig],
+    ) -> None:
+        """
+        A configuration reload: new holds and C{state_ttl} for requests from
+        now on, and each service's new idle times from its next idle
+        period.  The services themselves (names, URLs, models, aliases,
+        routes) must be the ones running.
+        """
+        self.hold = hold
+        self.state_ttl = state_ttl
+        by_name = {service.name: service for service in services}
+        for core in self._cores.values():
+            core.hold = hold
+            new = by_name.get(core.name)
+            if new is not None:
+                core.config = new
+
     def status(self) -> list[dict[str, Any]]:
         out = []
         for core in self._cores.values():
