@@ -124,8 +124,8 @@ class Row:
     # how late chunks arrived after the engine wrote them (native only)
     delay_p50: float = math.nan
     delay_p99: float = math.nan
-    # the measured process's RSS: lowest before a measured round, highest
-    # sampled (every 20 ms) during one
+    # the measured process's RSS: before the path's warm-up round (started,
+    # idle), and the highest sampled (every 20 ms) during a measured round
     rss_base: int | None = None
     rss_peak: int | None = None
     # CPU of the engine process / wall time, when compare() was given it
@@ -231,6 +231,9 @@ async def compare(
         for p in paths:
             if p.before_round is not None:
                 await p.before_round()
+            warm = measured(p)
+            if warm is not None and p.proxied:
+                rss_base[p.name] = warm.usage().rss
             await gen.round(
                 f"{p.url}{workload.path}",
                 load(p),
@@ -268,9 +271,6 @@ async def compare(
                 if target is not None:
                     proxy_cpu[p.name] += after[0].cpu - before[0].cpu
                     rss[p.name] = after[0].rss
-                    rss_base[p.name] = min(
-                        rss_base.get(p.name, before[0].rss), before[0].rss
-                    )
                 if peer is not None:
                     peer_cpu[p.name] += after[-1].cpu - before[-1].cpu
                     peer_rss[p.name] = after[-1].rss
