@@ -55,7 +55,7 @@ class Plan:
     request_timeout: float = 30.0
     # mtls measures three paths for two workloads: shorter, to keep the run short
     mtls_rounds: int = 2
-    mtls_round_seconds: float = 1.5
+    mtls_round_seconds: float = 1.2
     # stream and stream-sse: 200 chunks back to back
     stream_concurrencies: tuple[int, ...] = (32,)
     # paced: this many streams at once, each chunk this far apart
@@ -70,7 +70,7 @@ class Plan:
     open_rounds: int = 2
 
 
-FULL = Plan(rounds=4, round_seconds=1.5, warmup_seconds=0.5)
+FULL = Plan(rounds=4, round_seconds=1.5, warmup_seconds=0.3)
 QUICK = Plan(
     rounds=2,
     round_seconds=0.3,
@@ -176,6 +176,7 @@ async def compare(
     delays: bool = False,
     max_requests: int = 0,
     python_load: bool = False,
+    warmup_concurrency: int | None = None,
 ) -> list[Row]:
     """
     Run C{workload} over every path in alternating rounds (ABBA...): one
@@ -183,19 +184,27 @@ async def compare(
     RSS are read from each path's C{target}, else C{proxy}, and from
     C{peer}; the inference requests that each of C{engines} (name -> bench
     engine URL) received are counted per path, and the CPU of C{engine}.
-    With C{max_requests}, a round ends after that many requests.  The native
-    load generator is used unless the context has none or C{python_load}.
+    With C{max_requests}, a round ends after that many requests (the warm-up
+    after C{warmup_concurrency} requests on as many connections, when given).
+    The native load generator is used unless the context has none or
+    C{python_load}.
     """
     plan = ctx.plan if plan is None else plan
     engines = engines or {}
-    gen: LoadGenerator | NativeLoad
-    if ctx.loadgen is None or python_load:
-        gen = LoadGenerator(ctx.reactor, perf_now, concurrency, plan.request_timeout)
-    else:
-        gen = NativeLoad(
-            ctx.reactor, ctx.loadgen, concurrency, plan.request_timeout, delays=delays
+
+    def generator(c: int) -> LoadGenerator | NativeLoad:
+        if ctx.loadgen is None or python_load:
+            return LoadGenerator(ctx.reactor, perf_now, c, plan.request_timeout)
+        return NativeLoad(
+            ctx.reactor, ctx.loadgen, c, plan.request_timeout, delays=delays
         )
+
+    gen = generator(concurrency)
+    warm_gen = gen if warmup_concurrency is None else generator(warmup_concurrency)
     limit = {"max_requests": max_requests} if max_requests else {}
+    warm_limit = limit
+    if warmup_concurrency is not None and max_requests:
+        warm_limit = {"max_requests": warmup_concurrency}
     samples = {p.name: Samples() for p in paths}
     proxy_cpu = dict.fromkeys(samples, 0.0)
     peer_cpu = dict.fromkeys(samples, 0.0)
@@ -234,12 +243,12 @@ async def compare(
             warm = measured(p)
             if warm is not None and p.proxied:
                 rss_base[p.name] = warm.usage().rss
-            await gen.round(
+            await warm_gen.round(
                 f"{p.url}{workload.path}",
                 load(p),
                 plan.warmup_seconds,
                 Samples(),
-                **limit,
+                **warm_limit,
             )
         for r in range(plan.rounds):
             for p in paths if r % 2 == 0 else list(reversed(paths)):
@@ -278,6 +287,8 @@ async def compare(
                     served[p.name][name] += counts1[name] - counts0[name]
     finally:
         await gen.close()
+        if warm_gen is not gen:
+            await warm_gen.close()
     rows = []
     for p in paths:
         s = samples[p.name]
@@ -375,6 +386,7 @@ async def _with_references(
     plan: Plan | None = None,
     delays: bool = False,
     one_request_each: bool = False,
+    warmup_concurrency: int | None = None,
 ) -> Result:
     """
     The same engine reached directly, through Twisted's ReverseProxyResource,
@@ -419,6 +431,7 @@ async def _with_references(
                 engine=engine,
                 delays=delays,
                 max_requests=c if one_request_each else 0,
+                warmup_concurrency=warmup_concurrency,
             )
             result.rows += rows
             if not one_request_each:
@@ -494,6 +507,7 @@ async def scenario_open(ctx: Context) -> Result:
         (plan.open_streams,),
         plan=attrs.evolve(rounds, warmup_seconds=0.05),
         one_request_each=True,
+        warmup_concurrency=min(plan.open_streams, 50),
     )
 
 
@@ -1092,12 +1106,14 @@ async def run(reactor: Any, args: argparse.Namespace, out: TextIO) -> int:
         for name in names:
             out.write(f"== {name}\n")
             out.flush()
+            began = perf_now()
             try:
                 result = await SCENARIOS[name](ctx)
             except procs.BenchError as e:
                 out.write(f"  {name} failed: {e}\n")
                 failed = True
                 continue
+            out.write(f"  {name}: {perf_now() - began:.0f} s\n")
             total.rows += result.rows
             total.notes += result.notes
             for problem in result.problems:
