@@ -102,6 +102,7 @@ class _Body(Protocol):
         self._now = now
         self.first: float | None = None
         self.lines = 0
+        self._last = b""
         self.done: Deferred[None] = Deferred(self._abort)
 
     def _abort(self, d: Deferred[None]) -> None:
@@ -113,7 +114,11 @@ class _Body(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.first is None:
             self.first = self._now()
-        self.lines += data.count(b"\n")
+        # non-empty lines, as the native load generator counts them: an SSE
+        # event ends with a blank line, which is not a chunk of its own
+        blank = data.count(b"\n\n") + (data[:1] == b"\n" and self._last == b"\n")
+        self.lines += data.count(b"\n") - blank
+        self._last = data[-1:]
 
     def connectionLost(self, reason: Failure = ResponseDone) -> None:  # type: ignore[assignment]
         if self.done.called:

@@ -15,7 +15,7 @@ from twisted.internet import reactor
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
 from bench import native, procs, refs, report, run
-from bench.load import Samples, Workload
+from bench.load import Samples, Workload, _Body
 from nvproxy.testing.harness import Client
 
 _CACHE: list[Path] = []
@@ -266,6 +266,22 @@ class ReportTests(SynchronousTestCase):
         rows = [_row("direct", "paced", delay_p50=math.nan)]
         labels = [f.label for f in report.figures(rows)]
         self.assertNotIn("paced c=32: chunk delay p50", labels)
+
+
+class PythonLoadTests(SynchronousTestCase):
+    def test_lines_are_non_empty_lines(self) -> None:
+        """
+        The Python load generator counts lines as the native one does: an
+        SSE event's blank separator is not a line, even split across reads.
+        """
+        body = _Body(lambda: 0.0)
+        for part in (b"data: a\n", b"\ndata: b\n\n", b"data: [DONE]\n\n"):
+            body.dataReceived(part)
+        self.assertEqual(body.lines, 3)
+        ndjson = _Body(lambda: 0.0)
+        ndjson.dataReceived(b'{"a":1}\n{"b"')
+        ndjson.dataReceived(b":2}\n")
+        self.assertEqual(ndjson.lines, 2)
 
 
 class NginxConfigTests(SynchronousTestCase):

@@ -407,17 +407,20 @@ static int process_input(conn *c) {
         char *end = memmem(c->in, c->in_len, "\r\n\r\n", 4);
         if (!end) return c->in_len > MAX_HEAD ? -1 : 0;
         size_t head_len = (size_t)(end - c->in) + 4;
+        *end = 0; /* the string functions below stay inside the head */
         char method[16], path[1024], version[16];
         if (sscanf(c->in, "%15s %1023s %15s", method, path, version) != 3) return -1;
         char *q = strchr(path, '?');
         if (q) *q = 0;
         long length = 0;
         int chunked = 0, close_conn = !strcmp(version, "HTTP/1.0");
-        for (char *line = strstr(c->in, "\r\n") + 2; line < end;) {
+        char *first = strstr(c->in, "\r\n");
+        for (char *line = first ? first + 2 : end; line < end;) {
             char *eol = strstr(line, "\r\n");
+            if (!eol) eol = end;
+            char *found = strcasestr(line, "chunked");
             if (!strncasecmp(line, "content-length:", 15)) length = atol(line + 15);
-            else if (!strncasecmp(line, "transfer-encoding:", 18) &&
-                     strcasestr(line, "chunked") && strcasestr(line, "chunked") < eol)
+            else if (!strncasecmp(line, "transfer-encoding:", 18) && found && found < eol)
                 chunked = 1;
             else if (!strncasecmp(line, "connection:", 11)) {
                 char *v = line + 11;
@@ -451,6 +454,7 @@ static int process_input(conn *c) {
         free(body);
         memmove(c->in, c->in + used, c->in_len - used);
         c->in_len -= used;
+        c->in[c->in_len] = 0;
         if (c->streaming) {
             if (stream_step(c, now_ns()) < 0) return -1;
         } else if (flush_out(c) < 0) {
@@ -466,7 +470,8 @@ static int on_readable(conn *c) {
             c->in_cap = c->in_cap ? c->in_cap * 2 : 8192;
             c->in = realloc(c->in, c->in_cap);
         }
-        ssize_t n = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len - 1, 0);
+        size_t room = c->in_cap - c->in_len - 1; /* one byte for the NUL */
+        ssize_t n = recv(c->fd, c->in + c->in_len, room, 0);
         if (n == 0) return -1;
         if (n < 0) {
             if (errno == EINTR) continue;
@@ -475,7 +480,7 @@ static int on_readable(conn *c) {
         }
         c->in_len += (size_t)n;
         c->in[c->in_len] = 0;
-        if ((size_t)n < c->in_cap - c->in_len) break;
+        if ((size_t)n < room) break; /* drained; epoll is level-triggered */
     }
     return process_input(c);
 }
