@@ -35,20 +35,47 @@ COLUMNS = (
 class RowLike(Protocol):
     """The fields of L{bench.run.Row} a figure reads."""
 
-    scenario: str
-    concurrency: int
-    path: str
-    rps: float
-    p50: float
-    p99: float
-    ttfb_p50: float
-    ttfb_p99: float
-    lines_per_request: float
-    proxy_cpu_per_request: float | None
-    delay_p50: float
-    delay_p99: float
-    rss_base: int | None
-    rss_peak: int | None
+    @property
+    def scenario(self) -> str: ...
+
+    @property
+    def concurrency(self) -> int: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def rps(self) -> float: ...
+
+    @property
+    def p50(self) -> float: ...
+
+    @property
+    def p99(self) -> float: ...
+
+    @property
+    def ttfb_p50(self) -> float: ...
+
+    @property
+    def ttfb_p99(self) -> float: ...
+
+    @property
+    def lines_per_request(self) -> float: ...
+
+    @property
+    def proxy_cpu_per_request(self) -> float | None: ...
+
+    @property
+    def delay_p50(self) -> float: ...
+
+    @property
+    def delay_p99(self) -> float: ...
+
+    @property
+    def rss_base(self) -> int | None: ...
+
+    @property
+    def rss_peak(self) -> int | None: ...
 
 
 @frozen
