@@ -105,6 +105,7 @@ async def start_nginx(
     binary = nginx_binary()
     if binary is None:
         return None
+    workdir = workdir.resolve()  # nginx reads relative paths from its prefix
     port = free_port()
     (workdir / "nginx-temp").mkdir(exist_ok=True)
     config = workdir / f"{name}.conf"

@@ -126,6 +126,31 @@ class NativeProgramTests(TestCase):
         self.assertEqual(samples.lines, 14)  # 5 tokens, the finish, [DONE]
         self.assertEqual(samples.delays, [])  # not asked for
 
+    async def _through(self, start: Any) -> None:
+        """A chat and a 5-token stream through a proxy started by C{start}."""
+        url = await self._engine()
+        started = await start(reactor, self.workdir, "proxy", url)
+        if started is None:
+            raise SkipTest("no nginx")
+        proc, proxy_url = started
+        self.addCleanup(proc.stop, reactor)
+        chat = await self._load(proxy_url, Workload("m1", stream=False), 2)
+        self.assertEqual((chat.ok, chat.errors), (2, 0), chat.error_kinds)
+        stream = await self._load(proxy_url, Workload("m1", True, tokens=5), 2)
+        self.assertEqual((stream.ok, stream.errors), (2, 0), stream.error_kinds)
+        self.assertEqual(stream.lines, 12)
+
+    async def test_through_rpr(self) -> None:
+        """
+        Twisted's ReverseProxyResource in front of the engine: its HTTP/1.0
+        upstream requests get unframed answers, relayed whole.
+        """
+        await self._through(refs.start_rpr)
+
+    async def test_through_nginx(self) -> None:
+        """nginx with the generated config in front of the engine."""
+        await self._through(refs.start_nginx)
+
     async def test_errors_are_counted(self) -> None:
         """A 404 is counted by status, not as a success."""
         url = await self._engine()
