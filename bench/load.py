@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -29,19 +30,35 @@ Now = Callable[[], float]
 
 @frozen
 class Workload:
-    """One kind of request: an Ollama chat, streamed or not."""
+    """
+    One kind of request: a chat, streamed or not, in Ollama's dialect
+    (C{POST /api/chat}, NDJSON when streamed) or OpenAI's
+    (C{POST /v1/chat/completions}, SSE when streamed).  C{tokens} asks for
+    that many tokens (C{options.num_predict} / C{max_tokens}), which the
+    native engine honours; None leaves it to the engine's default.
+    """
 
     model: str
     stream: bool
+    api: str = "ollama"
+    tokens: int | None = None
+
+    @property
+    def path(self) -> str:
+        return "/api/chat" if self.api == "ollama" else "/v1/chat/completions"
 
     def body(self) -> bytes:
-        return json.dumps(
-            {
-                "model": self.model,
-                "stream": self.stream,
-                "messages": [{"role": "user", "content": "say hello"}],
-            }
-        ).encode("utf-8")
+        document: dict[str, Any] = {
+            "model": self.model,
+            "stream": self.stream,
+            "messages": [{"role": "user", "content": "say hello"}],
+        }
+        if self.tokens is not None:
+            if self.api == "ollama":
+                document["options"] = {"num_predict": self.tokens}
+            else:
+                document["max_tokens"] = self.tokens
+        return json.dumps(document).encode("utf-8")
 
 
 @attrs.define
@@ -54,6 +71,11 @@ class Samples:
     errors: int = 0
     elapsed: float = 0.0
     error_kinds: dict[str, int] = attrs.field(factory=dict)
+    # seconds each chunk arrived after the engine wrote it (native engine and
+    # load generator only: the chunk carries its send time)
+    delays: list[float] = attrs.field(factory=list)
+    client_cpu: float = 0.0  # the load generator's CPU seconds
+    connects: int = 0  # connections opened (native load generator only)
 
     @property
     def ok(self) -> int:
@@ -80,6 +102,7 @@ class _Body(Protocol):
         self._now = now
         self.first: float | None = None
         self.lines = 0
+        self._last = b""
         self.done: Deferred[None] = Deferred(self._abort)
 
     def _abort(self, d: Deferred[None]) -> None:
@@ -91,7 +114,11 @@ class _Body(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.first is None:
             self.first = self._now()
-        self.lines += data.count(b"\n")
+        # non-empty lines, as the native load generator counts them: an SSE
+        # event ends with a blank line, which is not a chunk of its own
+        blank = data.count(b"\n\n") + (data[:1] == b"\n" and self._last == b"\n")
+        self.lines += data.count(b"\n") - blank
+        self._last = data[-1:]
 
     def connectionLost(self, reason: Failure = ResponseDone) -> None:  # type: ignore[assignment]
         if self.done.called:
@@ -177,6 +204,7 @@ class LoadGenerator:
     ) -> None:
         """Run all workers for C{duration} seconds (and C{max_requests})."""
         target, body = url.encode("ascii"), workload.body()
+        cpu = _own_cpu()
         start = self._now()
         stop_at = start + duration
         budget = [max_requests]
@@ -189,10 +217,16 @@ class LoadGenerator:
         workers = [Deferred.fromCoroutine(worker()) for _ in range(self.concurrency)]
         await gatherResults(workers, consumeErrors=True)
         samples.elapsed += self._now() - start
+        samples.client_cpu += _own_cpu() - cpu
 
     def close(self) -> Deferred[None]:
         closed: Deferred[None] = self.pool.closeCachedConnections()
         return closed
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def perf_now() -> float:

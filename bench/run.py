@@ -28,9 +28,12 @@ import attrs
 from attrs import frozen
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import LoopingCall
 
-from bench import procs
+from bench import native, procs, refs, report
 from bench.load import LoadGenerator, Samples, Workload, percentile, perf_now
+from bench.native import NativeLoad
+from bench.report import DIRECT, NGINX, NVPROXY, RPR
 from nvproxy.testing.harness import free_port
 
 MODEL = "bench-model"
@@ -52,11 +55,30 @@ class Plan:
     request_timeout: float = 30.0
     # mtls measures three paths for two workloads: shorter, to keep the run short
     mtls_rounds: int = 2
-    mtls_round_seconds: float = 1.5
+    mtls_round_seconds: float = 1.2
+    # stream and stream-sse: 200 chunks back to back
+    stream_concurrencies: tuple[int, ...] = (32,)
+    # paced: this many streams at once, each chunk this far apart
+    paced_concurrency: int = 32
+    paced_chunks: int = 20
+    paced_interval: float = 0.025
+    # open: this many streams opened at once, one request each, held open by
+    # a slow engine; rounds of one batch per path
+    open_streams: int = 500
+    open_chunks: int = 40
+    open_interval: float = 0.05
+    open_rounds: int = 2
 
 
-FULL = Plan(rounds=4, round_seconds=2.0, warmup_seconds=0.5)
-QUICK = Plan(rounds=2, round_seconds=0.3, warmup_seconds=0.1, mtls_round_seconds=0.3)
+FULL = Plan(rounds=4, round_seconds=1.5, warmup_seconds=0.3)
+QUICK = Plan(
+    rounds=2,
+    round_seconds=0.3,
+    warmup_seconds=0.1,
+    mtls_round_seconds=0.3,
+    paced_chunks=8,
+    open_chunks=10,
+)
 
 
 @frozen
@@ -68,6 +90,9 @@ class Path_:
     proxied: bool
     before_round: Callable[[], Awaitable[None]] | None = None
     model: str | None = None  # instead of the workload's model
+    # the process whose CPU and RSS the path's rows report (a reference
+    # proxy); None: the daemon given to compare()
+    target: procs.Proc | None = None
 
 
 @frozen
@@ -96,6 +121,16 @@ class Row:
     # inference requests (POST /api/chat) each watched engine received during
     # the path's measured rounds; empty when no engine is watched
     engine_requests: dict[str, int] = attrs.field(factory=dict)
+    # how late chunks arrived after the engine wrote them (native only)
+    delay_p50: float = math.nan
+    delay_p99: float = math.nan
+    # the measured process's RSS: before the path's warm-up round (started,
+    # idle), and the highest sampled (every 20 ms) during a measured round
+    rss_base: int | None = None
+    rss_peak: int | None = None
+    # CPU of the engine process / wall time, when compare() was given it
+    engine_cpu_share: float = math.nan
+    connects: int = 0
 
 
 @attrs.define
@@ -111,11 +146,12 @@ class Context:
     plan: Plan
     workdir: Path
     out: TextIO
+    # the native load generator; None: the Python one (--python)
+    loadgen: Path | None = None
 
-
-def _client_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    @property
+    def native(self) -> bool:
+        return self.loadgen is not None
 
 
 async def _chat_counts(engines: Mapping[str, str]) -> dict[str, int]:
@@ -131,59 +167,128 @@ async def compare(
     paths: Sequence[Path_],
     workload: Workload,
     concurrency: int,
-    proxy: procs.Proxy,
+    proxy: procs.Proxy | None,
     *,
     peer: procs.Proxy | None = None,
     engines: Mapping[str, str] | None = None,
     plan: Plan | None = None,
+    engine: procs.Proc | None = None,
+    delays: bool = False,
+    max_requests: int = 0,
+    python_load: bool = False,
+    warmup_concurrency: int | None = None,
 ) -> list[Row]:
     """
     Run C{workload} over every path in alternating rounds (ABBA...): one
     warm-up round each, then C{plan.rounds} measured rounds each.  CPU and
-    RSS are read from C{proxy} and C{peer}; the inference requests that each
-    of C{engines} (name -> bench engine URL) received are counted per path.
+    RSS are read from each path's C{target}, else C{proxy}, and from
+    C{peer}; the inference requests that each of C{engines} (name -> bench
+    engine URL) received are counted per path, and the CPU of C{engine}.
+    With C{max_requests}, a round ends after that many requests (the warm-up
+    after C{warmup_concurrency} requests on as many connections, when given).
+    The native load generator is used unless the context has none or
+    C{python_load}.
     """
     plan = ctx.plan if plan is None else plan
     engines = engines or {}
-    gen = LoadGenerator(ctx.reactor, perf_now, concurrency, plan.request_timeout)
+
+    def generator(c: int) -> LoadGenerator | NativeLoad:
+        if ctx.loadgen is None or python_load:
+            return LoadGenerator(ctx.reactor, perf_now, c, plan.request_timeout)
+        return NativeLoad(
+            ctx.reactor, ctx.loadgen, c, plan.request_timeout, delays=delays
+        )
+
+    gen = generator(concurrency)
+    warm_gen = gen if warmup_concurrency is None else generator(warmup_concurrency)
+    limit = {"max_requests": max_requests} if max_requests else {}
+    warm_limit = limit
+    if warmup_concurrency is not None and max_requests:
+        warm_limit = {"max_requests": warmup_concurrency}
     samples = {p.name: Samples() for p in paths}
     proxy_cpu = dict.fromkeys(samples, 0.0)
     peer_cpu = dict.fromkeys(samples, 0.0)
-    client_cpu = dict.fromkeys(samples, 0.0)
+    engine_cpu = dict.fromkeys(samples, 0.0)
     served = {name: dict.fromkeys(engines, 0) for name in samples}
     rss: dict[str, int] = {}
+    rss_base: dict[str, int] = {}
+    rss_peak: dict[str, int] = {}
     peer_rss: dict[str, int] = {}
-    daemons = [proxy] if peer is None else [proxy, peer]
+
+    def measured(p: Path_) -> procs.Proc | None:
+        if p.target is not None:
+            return p.target
+        return proxy.proc if proxy is not None else None
 
     def load(p: Path_) -> Workload:
         return workload if p.model is None else attrs.evolve(workload, model=p.model)
+
+    def watch_rss(name: str, proc: procs.Proc) -> LoopingCall:
+        def sample() -> None:
+            try:
+                now = proc.usage().rss
+            except OSError:
+                return
+            rss_peak[name] = max(rss_peak.get(name, 0), now)
+
+        loop = LoopingCall(sample)
+        loop.clock = ctx.reactor
+        loop.start(0.02, now=True)
+        return loop
 
     try:
         for p in paths:
             if p.before_round is not None:
                 await p.before_round()
-            await gen.round(p.url, load(p), plan.warmup_seconds, Samples())
+            warm = measured(p)
+            if warm is not None and p.proxied:
+                rss_base[p.name] = warm.usage().rss
+            await warm_gen.round(
+                f"{p.url}{workload.path}",
+                load(p),
+                plan.warmup_seconds,
+                Samples(),
+                **warm_limit,
+            )
         for r in range(plan.rounds):
             for p in paths if r % 2 == 0 else list(reversed(paths)):
                 if p.before_round is not None:
                     await p.before_round()
                 counts0 = await _chat_counts(engines)
-                before = [d.proc.usage() for d in daemons]
-                cpu0 = _client_cpu()
-                await gen.round(p.url, load(p), plan.round_seconds, samples[p.name])
-                after = [d.proc.usage() for d in daemons]
-                cpu1 = _client_cpu()
-                counts1 = await _chat_counts(engines)
-                proxy_cpu[p.name] += after[0].cpu - before[0].cpu
-                rss[p.name] = after[0].rss
+                target = measured(p)
+                daemons = [target] if target is not None else []
                 if peer is not None:
-                    peer_cpu[p.name] += after[1].cpu - before[1].cpu
-                    peer_rss[p.name] = after[1].rss
-                client_cpu[p.name] += cpu1 - cpu0
+                    daemons.append(peer.proc)
+                before = [d.usage() for d in daemons]
+                engine0 = engine.usage().cpu if engine is not None else 0.0
+                sampler = watch_rss(p.name, target) if target is not None else None
+                try:
+                    await gen.round(
+                        f"{p.url}{workload.path}",
+                        load(p),
+                        plan.round_seconds,
+                        samples[p.name],
+                        **limit,
+                    )
+                finally:
+                    if sampler is not None:
+                        sampler.stop()
+                after = [d.usage() for d in daemons]
+                if engine is not None:
+                    engine_cpu[p.name] += engine.usage().cpu - engine0
+                counts1 = await _chat_counts(engines)
+                if target is not None:
+                    proxy_cpu[p.name] += after[0].cpu - before[0].cpu
+                    rss[p.name] = after[0].rss
+                if peer is not None:
+                    peer_cpu[p.name] += after[-1].cpu - before[-1].cpu
+                    peer_rss[p.name] = after[-1].rss
                 for name in engines:
                     served[p.name][name] += counts1[name] - counts0[name]
     finally:
         await gen.close()
+        if warm_gen is not gen:
+            await warm_gen.close()
     rows = []
     for p in paths:
         s = samples[p.name]
@@ -206,9 +311,7 @@ async def compare(
                     proxy_cpu[p.name] / n if p.proxied and n else None
                 ),
                 proxy_rss=rss.get(p.name) if p.proxied else None,
-                client_cpu_share=client_cpu[p.name] / s.elapsed
-                if s.elapsed
-                else math.nan,
+                client_cpu_share=s.client_cpu / s.elapsed if s.elapsed else math.nan,
                 error_kinds=dict(s.error_kinds),
                 peer_cpu_per_request=(
                     peer_cpu[p.name] / n
@@ -217,6 +320,16 @@ async def compare(
                 ),
                 peer_rss=peer_rss.get(p.name) if p.proxied else None,
                 engine_requests=served[p.name],
+                delay_p50=percentile(s.delays, 50),
+                delay_p99=percentile(s.delays, 99),
+                rss_base=rss_base.get(p.name) if p.proxied else None,
+                rss_peak=rss_peak.get(p.name) if p.proxied else None,
+                engine_cpu_share=(
+                    engine_cpu[p.name] / s.elapsed
+                    if engine is not None and s.elapsed
+                    else math.nan
+                ),
+                connects=s.connects,
             )
         )
     return rows
@@ -230,27 +343,99 @@ async def _stop_all(ctx: Context, running: Sequence[procs.Proc]) -> None:
 # -- scenarios ---------------------------------------------------------------------
 
 
-async def _direct_vs_proxy(
-    ctx: Context, scenario: str, workload: Workload, chunks: int
+LABELS = {DIRECT: "direct", RPR: "Twisted RPR", NGINX: "nginx", NVPROXY: "nvproxy"}
+
+
+@frozen
+class EngineSpec:
+    """What the scenario's engine answers: tokens per stream, their pace."""
+
+    stream_chunks: int = STREAM_CHUNKS
+    interval: float = 0.0  # seconds between streamed tokens
+
+
+async def _start_engine(
+    ctx: Context, name: str, spec: EngineSpec
+) -> tuple[procs.Proc, str]:
+    if ctx.native:
+        return await native.start_engine(
+            ctx.reactor,
+            ctx.workdir,
+            name,
+            [MODEL],
+            stream_chunks=spec.stream_chunks,
+            interval=spec.interval,
+        )
+    return await procs.start_engine(
+        ctx.reactor,
+        ctx.workdir,
+        name,
+        [MODEL],
+        stream_chunks=spec.stream_chunks,
+        chunk_interval=spec.interval,
+    )
+
+
+async def _with_references(
+    ctx: Context,
+    scenario: str,
+    workload: Workload,
+    spec: EngineSpec,
+    concurrencies: Sequence[int],
+    *,
+    plan: Plan | None = None,
+    delays: bool = False,
+    one_request_each: bool = False,
+    warmup_concurrency: int | None = None,
 ) -> Result:
+    """
+    The same engine reached directly, through Twisted's ReverseProxyResource,
+    through nginx (when installed) and through nvproxy, in the same rounds.
+    With C{one_request_each}, every connection sends one request per round.
+    """
     running: list[procs.Proc] = []
     result = Result()
     try:
-        engine, engine_url = await procs.start_engine(
-            ctx.reactor, ctx.workdir, f"{scenario}-engine", [MODEL], chunks=chunks
-        )
+        engine, engine_url = await _start_engine(ctx, f"{scenario}-engine", spec)
         running.append(engine)
         proxy = await procs.start_proxy(
             ctx.reactor, ctx.workdir, engine_url, name=f"{scenario}-nvproxy"
         )
         running.append(proxy.proc)
+        rpr, rpr_url = await refs.start_rpr(
+            ctx.reactor, ctx.workdir, f"{scenario}-rpr", engine_url
+        )
+        running.append(rpr)
         paths = [
-            Path_("direct", f"{engine_url}/api/chat", proxied=False),
-            Path_("nvproxy", f"{proxy.facade}/api/chat", proxied=True),
+            Path_(DIRECT, engine_url, proxied=False),
+            Path_(RPR, rpr_url, proxied=True, target=rpr),
         ]
-        for c in ctx.plan.concurrencies:
-            rows = await compare(ctx, scenario, paths, workload, c, proxy)
+        nginx = await refs.start_nginx(
+            ctx.reactor, ctx.workdir, f"{scenario}-nginx", engine_url
+        )
+        if nginx is None:
+            result.notes.append(f"{scenario}: nginx skipped: no nginx binary found")
+        else:
+            running.append(nginx[0])
+            paths.append(Path_(NGINX, nginx[1], proxied=True, target=nginx[0]))
+        paths.append(Path_(NVPROXY, proxy.facade, proxied=True))
+        for c in concurrencies:
+            rows = await compare(
+                ctx,
+                scenario,
+                paths,
+                workload,
+                c,
+                proxy,
+                plan=plan,
+                engine=engine,
+                delays=delays,
+                max_requests=c if one_request_each else 0,
+                warmup_concurrency=warmup_concurrency,
+            )
             result.rows += rows
+            if not one_request_each:
+                result.notes += ceiling_notes(rows)
             _progress(ctx, rows)
     finally:
         await _stop_all(ctx, running)
@@ -258,14 +443,71 @@ async def _direct_vs_proxy(
 
 
 async def scenario_chat(ctx: Context) -> Result:
-    """Non-streaming chat (5 tokens in one JSON body)."""
-    return await _direct_vs_proxy(ctx, "chat", Workload(MODEL, stream=False), 5)
+    """Non-streaming Ollama chat (5 tokens in one JSON body), c=1 and c=32."""
+    return await _with_references(
+        ctx,
+        "chat",
+        Workload(MODEL, stream=False),
+        EngineSpec(),
+        ctx.plan.concurrencies,
+    )
 
 
 async def scenario_stream(ctx: Context) -> Result:
-    """Streaming chat: STREAM_CHUNKS NDJSON lines, no interval between them."""
-    return await _direct_vs_proxy(
-        ctx, "stream", Workload(MODEL, stream=True), STREAM_CHUNKS
+    """Streaming Ollama chat: STREAM_CHUNKS NDJSON lines back to back."""
+    return await _with_references(
+        ctx,
+        "stream",
+        Workload(MODEL, stream=True, tokens=STREAM_CHUNKS),
+        EngineSpec(),
+        ctx.plan.stream_concurrencies,
+    )
+
+
+async def scenario_stream_sse(ctx: Context) -> Result:
+    """Streaming OpenAI chat: STREAM_CHUNKS SSE events back to back."""
+    return await _with_references(
+        ctx,
+        "stream-sse",
+        Workload(MODEL, stream=True, api="openai", tokens=STREAM_CHUNKS),
+        EngineSpec(),
+        ctx.plan.stream_concurrencies,
+    )
+
+
+async def scenario_paced(ctx: Context) -> Result:
+    """
+    Paced streams: C{paced_concurrency} streams at once, C{paced_chunks}
+    tokens each, C{paced_interval} apart; how late each chunk arrives.
+    """
+    plan = ctx.plan
+    return await _with_references(
+        ctx,
+        "paced",
+        Workload(MODEL, stream=True, tokens=plan.paced_chunks),
+        EngineSpec(plan.paced_chunks, plan.paced_interval),
+        (plan.paced_concurrency,),
+        delays=True,
+    )
+
+
+async def scenario_open(ctx: Context) -> Result:
+    """
+    C{open_streams} streams opened at once, each one request held open by a
+    slow engine (C{open_chunks} tokens C{open_interval} apart): the proxy's
+    RSS before and at the peak, and the time to first byte.
+    """
+    plan = ctx.plan
+    rounds = attrs.evolve(plan, rounds=plan.open_rounds, round_seconds=0.05)
+    return await _with_references(
+        ctx,
+        "open",
+        Workload(MODEL, stream=True, tokens=plan.open_chunks),
+        EngineSpec(plan.open_chunks, plan.open_interval),
+        (plan.open_streams,),
+        plan=attrs.evolve(rounds, warmup_seconds=0.05),
+        one_request_each=True,
+        warmup_concurrency=min(plan.open_streams, 50),
     )
 
 
@@ -299,9 +541,9 @@ async def scenario_failover(ctx: Context) -> Result:
         def pin(node: str) -> Callable[[], Awaitable[None]]:
             return lambda: procs.select(proxy, node)
 
-        url = f"{proxy.facade}/api/chat"
+        url = proxy.facade
         paths = [
-            Path_("direct", f"{healthy_url}/api/chat", proxied=False),
+            Path_("direct", healthy_url, proxied=False),
             Path_("nvproxy", url, proxied=True, before_round=pin("bench")),
             Path_("nvproxy+failover", url, proxied=True, before_round=pin("gpu-2")),
         ]
@@ -498,9 +740,9 @@ async def scenario_mtls(ctx: Context) -> Result:
             rounds=ctx.plan.mtls_rounds,
             round_seconds=ctx.plan.mtls_round_seconds,
         )
-        url = f"{a.facade}/api/chat"
+        url = a.facade
         paths = [
-            Path_("direct", f"{engine_a_url}/api/chat", proxied=False),
+            Path_("direct", engine_a_url, proxied=False),
             Path_("A->engine", url, proxied=True),
             Path_("A->B->engine", url, proxied=True, model=REMOTE_MODEL),
         ]
@@ -601,6 +843,9 @@ def _mtls_notes(
 SCENARIOS: dict[str, Callable[[Context], Awaitable[Result]]] = {
     "chat": scenario_chat,
     "stream": scenario_stream,
+    "stream-sse": scenario_stream_sse,
+    "paced": scenario_paced,
+    "open": scenario_open,
     "failover": scenario_failover,
     "mtls": scenario_mtls,
 }
@@ -623,6 +868,45 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}"
 
 
+def _cpu_ratio(row: Row, rpr: Row | None) -> str:
+    if rpr is None or rpr is row:
+        return ""
+    mine, floor = row.proxy_cpu_per_request, rpr.proxy_cpu_per_request
+    if mine is None or floor is None:
+        return "-"
+    return _ratio(mine, floor)
+
+
+def ceiling_notes(rows: Sequence[Row]) -> list[str]:
+    """
+    How far the direct path (engine and load generator alone) is above the
+    fastest proxy of the same comparison, and how busy each of the two was
+    during the direct rounds: the bench's ceiling.
+    """
+    by_path = {r.path: r for r in rows}
+    direct = by_path.get(DIRECT)
+    proxies = [r for r in rows if r.path != DIRECT and r.rps == r.rps]
+    if direct is None or not proxies:
+        return []
+    streamed = direct.lines_per_request > 1.5
+    unit = "chunks/s" if streamed else "req/s"
+
+    def rate(r: Row) -> float:
+        return r.rps * r.lines_per_request if streamed else r.rps
+
+    best = max(proxies, key=rate)
+    engine = (
+        "-" if math.isnan(direct.engine_cpu_share) else f"{direct.engine_cpu_share:.0%}"
+    )
+    return [
+        f"ceiling {direct.scenario} c={direct.concurrency}: direct"
+        f" {rate(direct):,.0f} {unit}, x{_ratio(rate(direct), rate(best))} the"
+        f" fastest proxy ({LABELS.get(best.path, best.path)}, {rate(best):,.0f});"
+        f" during direct rounds the load generator used"
+        f" {direct.client_cpu_share:.0%} and the engine {engine} of one core"
+    ]
+
+
 _HEADER = (
     "scenario",
     "c",
@@ -637,6 +921,7 @@ _HEADER = (
     "ttfb x",
     "+p50 ms",
     "cpu us/req",
+    "cpu x rpr",
     "peer us/req",
     "rss MB",
     "gen cpu",
@@ -644,7 +929,7 @@ _HEADER = (
 )
 
 
-def _cells(row: Row, base: Row | None) -> tuple[str, ...]:
+def _cells(row: Row, base: Row | None, rpr: Row | None = None) -> tuple[str, ...]:
     ratios = ("", "", "", "")
     if base is not None and base is not row:
         ratios = (
@@ -664,6 +949,7 @@ def _cells(row: Row, base: Row | None) -> tuple[str, ...]:
         _ms(row.ttfb_p99),
         *ratios,
         _us(row.proxy_cpu_per_request),
+        _cpu_ratio(row, rpr),
         _us(row.peer_cpu_per_request),
         "-" if row.proxy_rss is None else f"{row.proxy_rss / 2**20:.1f}",
         f"{row.client_cpu_share:.0%}",
@@ -672,13 +958,19 @@ def _cells(row: Row, base: Row | None) -> tuple[str, ...]:
 
 
 def table(rows: Sequence[Row]) -> str:
-    """The rows as a text table; ratios are against the direct row above."""
+    """
+    The rows as a text table; ratios are against the direct row above, and
+    C{cpu x rpr} against the Twisted RPR row of the same comparison.
+    """
     lines: list[tuple[str, ...]] = [_HEADER]
     base: Row | None = None
+    rpr: Row | None = None
     for row in rows:
-        if row.path == "direct":
-            base = row
-        lines.append(_cells(row, base))
+        if row.path == DIRECT:
+            base, rpr = row, None
+        elif row.path == RPR:
+            rpr = row
+        lines.append(_cells(row, base, rpr))
     widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
     text = []
     for n, line in enumerate(lines):
@@ -765,13 +1057,47 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--keep", action="store_true", help="keep the work dir (configs and logs)"
     )
+    parser.add_argument(
+        "--python",
+        action="store_true",
+        help="use the Python fake engine and load generator instead of the"
+        " compiled ones (no gcc needed; they cap the throughput much lower)",
+    )
+    parser.add_argument(
+        "--chart",
+        metavar="PNG",
+        default="bench-results.png",
+        help="write the figures as a PNG chart (needs matplotlib, the 'bench'"
+        " extra; default %(default)s)",
+    )
+    parser.add_argument("--no-chart", action="store_true", help="no chart")
     return parser.parse_args(argv)
+
+
+def _raise_fd_limit() -> None:
+    """Soft open-files limit up to the hard one: 500 open streams need 1,000+."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 65536 if hard == resource.RLIM_INFINITY else hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 async def run(reactor: Any, args: argparse.Namespace, out: TextIO) -> int:
     plan = QUICK if args.quick else FULL
+    _raise_fd_limit()
+    loadgen = None
+    if not args.python:
+        try:
+            native.build("engine")
+            loadgen = native.build("loadgen")
+        except procs.BenchError as e:
+            out.write(
+                f"{e}\nrun with --python for the Python engine and load generator\n"
+            )
+            return 2
+        out.write(f"native engine and load generator: {loadgen.parent}\n")
     workdir = Path(tempfile.mkdtemp(prefix="nvproxy-bench-"))
-    ctx = Context(reactor, plan, workdir, out)
+    ctx = Context(reactor, plan, workdir, out, loadgen)
     names = args.only or list(SCENARIOS)
     total = Result()
     started = perf_now()
@@ -780,12 +1106,14 @@ async def run(reactor: Any, args: argparse.Namespace, out: TextIO) -> int:
         for name in names:
             out.write(f"== {name}\n")
             out.flush()
+            began = perf_now()
             try:
                 result = await SCENARIOS[name](ctx)
             except procs.BenchError as e:
                 out.write(f"  {name} failed: {e}\n")
                 failed = True
                 continue
+            out.write(f"  {name}: {perf_now() - began:.0f} s\n")
             total.rows += result.rows
             total.notes += result.notes
             for problem in result.problems:
@@ -797,19 +1125,36 @@ async def run(reactor: Any, args: argparse.Namespace, out: TextIO) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     notes = chunk_costs(total.rows) + total.notes
+    kind = "quick" if args.quick else "full"
+    tools = "Python" if args.python else "native"
     out.write("\n" + table(total.rows) + "\n\n")
     for note in notes:
         out.write(f"* {note}\n")
+    figs = report.figures(total.rows)
+    if figs:
+        out.write("\nmedians and percentiles over all measured rounds:\n\n")
+        out.write(report.figures_table(figs) + "\n")
     out.write(
-        f"\n{'quick' if args.quick else 'full'} run, {perf_now() - started:.0f} s;"
+        f"\n{kind} run, {tools} engine and load generator,"
+        f" {perf_now() - started:.0f} s;"
         " ratios are against the direct row above (rps x: throughput, lat x:"
-        " p50 latency, ttfb x: p50 time to first byte); peer us/req: CPU of the"
-        " second daemon (mtls: B)\n"
+        " p50 latency, ttfb x: p50 time to first byte); cpu x rpr: CPU per"
+        " request over Twisted RPR's; peer us/req: CPU of the second daemon"
+        " (mtls: B)\n"
     )
+    if figs and not args.no_chart:
+        title = f"nvproxy bench, {kind} run, {tools} engine and load generator"
+        why_not = report.chart(figs, Path(args.chart), title)
+        if why_not is None:
+            out.write(f"chart: {args.chart}\n")
+        else:
+            out.write(f"chart skipped: {why_not}\n")
     if args.json:
         document = {
             "plan": attrs.asdict(plan),
+            "native": not args.python,
             "rows": [_json_row(r) for r in total.rows],
+            "figures": [attrs.asdict(f) for f in figs],
             "notes": notes,
         }
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
