@@ -469,10 +469,13 @@ class NvProxy(MultiService):
         """
         Membership or pins changed: poll the new set of peers, and drop idle
         pooled connections, which were authenticated against the old pins
-        (new ones are dialled with the current pins).
+        (new ones are dialled with the current pins).  With etcd, the
+        records already seen are judged again against the new pins.
         """
         self._set_endpoints()
         self.upstream.pool.closeCachedConnections()
+        if self.etcd is not None:
+            self._etcd_records(self.etcd.records)
 
     def _set_endpoints(self) -> None:
         self.polling.set_endpoints(self._endpoints())

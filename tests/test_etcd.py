@@ -437,3 +437,79 @@ class ChangeDuringCallTests(SynchronousTestCase):
         self.release()
         self.assertEqual(self.node.session.state, "live")
         self.assertEqual(self.stored(), 2)
+
+
+class TrustTests(SynchronousTestCase):
+    """Which etcd-fed records are used: pinned by the cluster dir, or by etcd."""
+
+    def setUp(self) -> None:
+        from nvproxy.cluster import ClusterDir
+
+        root = self.mktemp()
+        self.dirs = {n: ClusterDir(f"{root}/{n}") for n in ("a", "b", "c")}
+        self.fp = {n: d.init(n, Clock()).fingerprint for n, d in self.dirs.items()}
+        # a pins b (placeholder address), not c
+        from nvproxy.cluster import Peer
+
+        self.dirs["a"].add_peer(Peer("b", "192.0.2.1", self.fp["b"]))
+
+    def document(self, node: str, fingerprint: object = None) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "node": node,
+            "generation": 1,
+            "address": "10.0.0.7",
+            "fingerprint": str(fingerprint or self.fp[node]),
+            "engines": {
+                "vllm": {"port": 8000, "models": {"m": {"readiness": "awake"}}},
+                "ollama": {"port": 11435, "models": {}},
+            },
+        }
+
+    def peers(self, trust: str) -> Any:
+        from nvproxy.etcd import EtcdPeers
+
+        state = self.dirs["a"].load()
+        return EtcdPeers("a", trust, lambda: state, lambda: ["vllm", "ollama"])
+
+    def test_pinned(self) -> None:
+        peers = self.peers("pinned")
+        entries = peers.apply(
+            {
+                "a": self.document("a"),
+                "b": self.document("b"),
+                "c": self.document("c"),
+            }
+        )
+        self.assertEqual(set(peers.records), {"b"}, "c is not pinned; a is us")
+        self.assertEqual(
+            [e.base_url for e in entries["vllm"]["b"].endpoints],
+            ["https://10.0.0.7:8000"],
+        )
+        self.assertNotIn("ollama", entries, "no models, no entry")
+        state = peers.cluster_state(self.dirs["a"].load())
+        dialed = state.peer_at("10.0.0.7", 8000)
+        assert dialed is not None
+        self.assertEqual((dialed.id, dialed.fingerprint), ("b", self.fp["b"]))
+
+    def test_fingerprint_must_match_the_pin(self) -> None:
+        peers = self.peers("pinned")
+        peers.apply({"b": self.document("b", fingerprint=self.fp["c"])})
+        self.assertEqual(peers.records, {})
+
+    def test_trust_etcd_pins_the_record(self) -> None:
+        peers = self.peers("etcd")
+        peers.apply({"c": self.document("c")})
+        self.assertEqual(set(peers.records), {"c"})
+        state = peers.cluster_state(self.dirs["a"].load())
+        self.assertIn(self.fp["c"], state.pins)
+
+    def test_malformed_and_wrong_node_ignored(self) -> None:
+        peers = self.peers("pinned")
+        wrong = dict(self.document("b"), node="c")
+        peers.apply({"b": wrong})
+        self.assertEqual(peers.records, {})
+        peers.apply({"b": {"version": 2, "node": "b"}})
+        self.assertEqual(peers.records, {})
+        peers.apply({"b": self.document("b")})
+        self.assertEqual(set(peers.records), {"b"})

@@ -8,6 +8,7 @@ resumed past a compaction.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from attrs import evolve
@@ -27,6 +28,7 @@ from nvproxy.testing.harness import (
     start_proxy,
 )
 from tests.integration.etcd import Etcd, skip_reason
+from tests.test_e2e import _Twistd, _twistd_argv
 from tests.test_forwarding import ProxyTestCase
 
 reactor: Any = _reactor
@@ -236,3 +238,91 @@ class EtcdFleetTests(ProxyTestCase):
             await deferLater(reactor, 0, lambda: None)
 
         return ensureDeferred(run())
+
+    def test_sigkill(self) -> Deferred[None]:
+        """A real nvproxy process killed with SIGKILL leaves with its lease."""
+
+        async def run() -> None:
+            proxies, fakes = await self.fleet()
+            a = proxies["node-a"]
+            # a fourth node, as a twistd process of its own
+            d = "node-d"
+            dirs = {n: ClusterDir(os.path.join(self.root, n)) for n in NODES}
+            ddir = ClusterDir(os.path.join(self.root, d))
+            fingerprint = ddir.init(d, reactor).fingerprint
+            for node in NODES:
+                dirs[node].add_peer(Peer(d, "192.0.2.1", fingerprint))
+                ddir.add_peer(Peer(node, "192.0.2.1", dirs[node].fingerprint()))
+            fake = FakeVLLM(reactor, model=MODEL)
+            fake.listen(reactor)
+            self.addCleanup(fake.stop)
+            port, admin = free_port(), free_port()
+            config = os.path.join(self.root, "d.toml")
+            with open(config, "w") as f:
+                f.write(
+                    f"""
+node_id = "{d}"
+state_dir = "{os.path.join(self.root, d + "-state")}"
+[admin]
+listen = "127.0.0.1:{admin}"
+[cluster]
+dir = "{os.path.join(self.root, d)}"
+[discovery]
+provider = "etcd"
+endpoints = ["{self.etcd.url}"]
+prefix = "/t/"
+lease_ttl = "{TTL:g}s"
+advertise_address = "127.0.0.1"
+[engines.ollama]
+enabled = false
+[engines.lmstudio]
+enabled = false
+[engines.llamacpp]
+enabled = false
+[engines.vllm]
+port = {port}
+[[engines.vllm.services]]
+name = "m"
+url = "{fake.url}"
+model = "{MODEL}"
+"""
+                )
+            protocol = _Twistd()
+            process = reactor.spawnProcess(
+                protocol,
+                sys.executable,
+                _twistd_argv("--config", config),
+                env=dict(os.environ),
+            )
+            self.addCleanup(lambda: protocol.ended)
+            self.addCleanup(_kill, process)
+            try:
+                await eventually(
+                    reactor,
+                    lambda: a.discovery.current.node("vllm", d) is not None,
+                    attempts=1000,
+                    what=f"a to see {d} through etcd",
+                )
+            except AssertionError:
+                print(protocol.output.decode())
+                raise
+            process.signalProcess("KILL")
+            started = reactor.seconds()
+            await eventually(
+                reactor,
+                lambda: a.discovery.current.node("vllm", d) is None,
+                attempts=int((TTL + 3) / 0.02),
+                interval=0.02,
+                what=f"{d} to leave a's snapshot",
+            )
+            self.assertLess(reactor.seconds() - started, TTL + 2)
+            await protocol.ended
+
+        return ensureDeferred(run())
+
+
+def _kill(process: Any) -> None:
+    try:
+        process.signalProcess("KILL")
+    except Exception:
+        pass
