@@ -891,4 +891,19 @@ def makeService(options: usage.Options) -> NvProxy:
         service.ops.reload().addErrback(lambda _: None)
 
     reactor.callWhenRunning(install_signal_handlers, reactor, service.shutdown, on_hup)
+    reactor.callWhenRunning(_freeze_start_up_heap)
     return service
+
+
+def _freeze_start_up_heap() -> None:
+    """
+    Move everything built at start-up (modules, config, the service tree)
+    out of the cyclic collector's reach: a full collection then walks only
+    what requests allocate, so it no longer stalls a request for tens of
+    milliseconds (measured: the c=1 p99 tail, docs/performance.rst).
+    Nothing frozen is freed, which is what start-up objects want anyway.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -104,13 +104,23 @@ class _Gate(Protocol):
     """
 
     def __init__(self, attempt: HttpAttempt) -> None:
-        self._attempt = attempt
+        self._attempt: HttpAttempt | None = attempt
 
     def dataReceived(self, data: bytes) -> None:
-        self._attempt._first_bytes(data)
+        if self._attempt is not None:
+            self._attempt._first_bytes(data)
 
     def connectionLost(self, reason: Failure = _DONE) -> None:
-        self._attempt._body_ended(reason)
+        # The last call: let go of the attempt, so the attempt -> gate ->
+        # attempt cycle never outlives the response and refcounting frees
+        # the request's objects (no cyclic garbage per request).
+        attempt, self._attempt = self._attempt, None
+        # and of the client's write it was rebound to at commit: Twisted's
+        # response parser holds this protocol in a cycle of its own
+        # (HTTPClientParser <-> _ChunkedTransferDecoder)
+        self.__dict__.pop("dataReceived", None)
+        if attempt is not None:
+            attempt._body_ended(reason)
 
 
 @frozen

@@ -27,11 +27,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from attrs import frozen
-from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred, gatherResults
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
+from twisted.web.server import NOT_DONE_YET
 
 from nvproxy.accounting import Accounting, RequestAccounting
 from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
@@ -110,17 +110,11 @@ class _Front:
         self._accounting = parts.accounting
         self._settings = parts.settings
         self._hidden = parts.hidden
-        app = Klein()
-        # Paths reach the facade exactly as sent: no slash merging or
-        # redirects, the upstream decides what a path means.
-        app.url_map.merge_slashes = False
-        app.url_map.strict_slashes = False
-        app.route("/", branch=True)(self._handle)
-        app.handle_errors(Exception)(self._internal_error)
-        self.app = app
 
     def resource(self) -> Any:
-        return TextURLGate(self.app.resource(), self._refuse_url)
+        # Paths reach the facade exactly as sent: no routing table, no slash
+        # merging or redirects, the upstream decides what a path means.
+        return TextURLGate(_FrontResource(self), self._refuse_url)
 
     def _route(self, request: Any) -> Any:
         raise NotImplementedError
@@ -532,11 +526,61 @@ class PeerFacade(_Front):
         return _settle(d, client)
 
 
+class _FrontResource(Resource):
+    """
+    A facade's one route, as a bare leaf: C{_handle} answers, errors are
+    contained to their request (§3.2), and a client that leaves cancels
+    the answer in progress.  (What Klein did here, without its per-request
+    routing and closures, which left reference cycles behind every request
+    for the cyclic collector; docs/performance.rst.)
+    """
+
+    isLeaf = True
+
+    def __init__(self, front: _Front) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._front = front
+
+    def render(self, request: Any) -> Any:
+        front = self._front
+        try:
+            result = front._handle(request)
+        except Exception:
+            front._internal_error(request, Failure())
+            result = None
+        if not isinstance(result, Deferred):
+            _respond(request, result)
+            return NOT_DONE_YET
+        # the client left: cancel what is in progress (the job sees it)
+        request.notifyFinish().addErrback(lambda _: result.cancel())
+        result.addCallbacks(
+            lambda r: _respond(request, r),
+            lambda failure: _failed(front, request, failure),
+        )
+        return NOT_DONE_YET
+
+
+def _respond(request: Any, result: object) -> None:
+    if request.finished or request._disconnected:
+        return
+    if isinstance(result, bytes):
+        request.write(result)
+    request.finish()
+
+
+def _failed(front: _Front, request: Any, failure: Failure) -> None:
+    if request.finished or request._disconnected:
+        if not failure.check(CancelledError):
+            front._log_failure(request, failure)
+        return
+    _respond(request, front._internal_error(request, failure))
+
+
 class _Personalities(Resource):
     """
     One facade port's two personalities: TLS requests (peers, already
     pinned in the handshake) go to C{peer}, plaintext to C{plain}.  Both
-    are Klein resources, leaves that route in C{render}.
+    are leaves that answer in C{render}.
     """
 
     isLeaf = True

@@ -284,10 +284,17 @@ def listen_facade(
     return succeed(listening)
 
 
+# Twisted's default is 50: a burst of connections beyond that (500 clients
+# opening streams at once) is dropped by the kernel and retried by the
+# clients a second or more later.  The kernel caps it at net.core.somaxconn
+# (4096 on current Linux).
+BACKLOG = 4096
+
+
 def _server_endpoint(reactor: Any, interface: str, port: int) -> Any:
     if ":" in interface:
-        return TCP6ServerEndpoint(reactor, port, interface=interface)
-    return TCP4ServerEndpoint(reactor, port, interface=interface)
+        return TCP6ServerEndpoint(reactor, port, backlog=BACKLOG, interface=interface)
+    return TCP4ServerEndpoint(reactor, port, backlog=BACKLOG, interface=interface)
 
 
 def _port_of(port: IListeningPort) -> int:

@@ -259,10 +259,28 @@ class EndpointFactory:
         )
 
 
+class _ClientProtocol(HTTP11ClientProtocol):
+    """
+    Twisted's client protocol, leaving no reference cycle behind a
+    response: its parser and the parser's body decoder point at each other
+    (C{HTTPClientParser._finished} is the decoder's callback), so every
+    response would wait for the cyclic collector, with everything it holds.
+    """
+
+    def _disconnectParser(self, reason: Failure) -> None:
+        parser = self._parser
+        super()._disconnectParser(reason)  # type: ignore[no-untyped-call]
+        if parser is not None:
+            parser.bodyDecoder = None
+
+
 class _QuietClientFactory(_HTTP11ClientFactory):
     # One factory per upstream connection: logging each start/stop at info
     # would flood the log with every poll.
     noisy = False
+
+    def buildProtocol(self, addr: Any) -> HTTP11ClientProtocol:
+        return _ClientProtocol(self._quiescentCallback)  # type: ignore[no-untyped-call]
 
 
 def _stale(failure: Failure) -> bool:
