@@ -16,6 +16,9 @@ from __future__ import annotations
 import copy
 import ipaddress
 import json
+import shutil
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -33,6 +36,8 @@ COMPOSE = ROOT / "compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 NVPROXY_TOML = ROOT / "deploy" / "nvproxy.toml"
 SCHEMA = Path(__file__).parent / "compose_spec" / "compose_spec.json"
+UNIT = ROOT / "deploy" / "nvproxy.service"
+INSTALLED_TWISTD = "/opt/nvproxy/bin/twistd"
 
 DAEMON_COMMAND = [
     "twistd",
@@ -382,3 +387,81 @@ class ConfigPairingTests(SynchronousTestCase):
             [s.url for s in services],
             [e["url"] for e in load_toml()["engines"]["vllm"]["services"]],
         )
+
+
+def unit_settings(text: str) -> dict[str, dict[str, list[str]]]:
+    """A unit file as section -> key -> every value given, in order."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        key, _, value = line.partition("=")
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+class SystemdUnitTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.text = UNIT.read_text()
+        self.service = unit_settings(self.text)["Service"]
+
+    def one(self, key: str) -> str:
+        values = self.service.get(key, [])
+        self.assertEqual(len(values), 1, f"{key}: {values}")
+        return values[0]
+
+    def test_runs_the_daemon(self) -> None:
+        """
+        twistd in the foreground without a pidfile, from the virtualenv the
+        Dockerfile also uses, on /etc/nvproxy/nvproxy.toml, as its own user.
+        """
+        self.assertEqual(
+            self.one("ExecStart").split(), [INSTALLED_TWISTD, *DAEMON_COMMAND[1:]]
+        )
+        self.assertIn("/opt/nvproxy/bin/pip install", DOCKERFILE.read_text())
+        self.assertNotIn(self.one("User"), ("", "root", "0"))
+        self.assertEqual(self.one("Restart"), "on-failure")
+        self.assertEqual(self.one("StateDirectory"), "nvproxy")
+        self.assertEqual(self.one("ExecReload"), "/bin/kill -HUP $MAINPID")
+
+    def test_hardening(self) -> None:
+        """The sandbox the issue names, and no capabilities at all."""
+        for key, value in [
+            ("NoNewPrivileges", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "yes"),
+            ("PrivateTmp", "yes"),
+            ("CapabilityBoundingSet", ""),
+        ]:
+            self.assertEqual(self.one(key), value, key)
+        families = set(self.one("RestrictAddressFamilies").split())
+        self.assertEqual(families, {"AF_INET", "AF_INET6", "AF_UNIX"})
+
+    def test_systemd_analyze_verify(self) -> None:
+        """
+        C{systemd-analyze verify} finds nothing to say.  It checks that
+        ExecStart's program exists, so the copy it sees starts this test
+        environment's twistd instead of the installed one.
+        """
+        tool = shutil.which("systemd-analyze")
+        if tool is None:
+            raise self.skipTest("systemd-analyze is not installed (Debian: systemd)")
+        twistd = Path(sys.executable).parent / "twistd"
+        directory = Path(self.mktemp())
+        directory.mkdir()
+        unit = directory / UNIT.name
+        unit.write_text(self.text.replace(INSTALLED_TWISTD, str(twistd)))
+        result = subprocess.run(
+            [tool, "verify", str(unit)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        # verify exits 0 on unknown keys and bad values: its output counts.
+        self.assertEqual((result.returncode, result.stdout + result.stderr), (0, ""))
