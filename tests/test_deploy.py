@@ -329,6 +329,14 @@ class ComposeTests(SynchronousTestCase):
         users = [line.split()[1] for line in lines if line.startswith("USER ")]
         self.assertEqual(users, ["nvproxy"])
         self.assertIn("pip install /src", " ".join(lines))
+        # What it copies exists: a moved file fails here, not in a build.
+        for line in lines:
+            if line.startswith("COPY "):
+                for source in line.split()[1:-1]:
+                    self.assertTrue((ROOT / source).exists(), source)
+        ignored = (ROOT / ".dockerignore").read_text().split()
+        for heavy in (".git", ".tox"):
+            self.assertIn(heavy, ignored)
         (cmd,) = [line for line in lines if line.startswith("CMD ")]
         self.assertEqual(json.loads(cmd[len("CMD ") :]), DAEMON_COMMAND)
         self.assertEqual(
