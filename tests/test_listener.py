@@ -282,7 +282,8 @@ class LoopbackGateTests(SynchronousTestCase):
                 [(e["log_format"], e["peer"]) for e in events],
                 [
                     (
-                        "refused plaintext connection from non-loopback peer {peer}",
+                        "refused plaintext connection from {peer}:"
+                        " not in access.plaintext_from",
                         str(peer),
                     )
                 ],

@@ -93,7 +93,8 @@ class _DemuxProtocol(Protocol):
         if not self._plaintext_allowed and self._factory.tls is None:
             # This peer can only ever be refused: do not wait for its first byte.
             log.info(
-                "refused connection from non-loopback peer {peer}: no TLS personality",
+                "refused connection from {peer}: not in access.plaintext_from"
+                " and no TLS personality",
                 peer=str(peer),
             )
             self._close()
@@ -124,7 +125,8 @@ class _DemuxProtocol(Protocol):
         else:
             if not self._plaintext_allowed:
                 log.info(
-                    "refused plaintext connection from non-loopback peer {peer}",
+                    "refused plaintext connection from {peer}:"
+                    " not in access.plaintext_from",
                     peer=str(peer),
                 )
                 self._close()

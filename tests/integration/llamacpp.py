@@ -323,6 +323,11 @@ class LlamaServer:
             if killer.active():
                 killer.cancel()
 
+    def kill(self) -> Deferred[None]:
+        """SIGKILL: the engine dies mid-answer; fires once it exited."""
+        self._signal("KILL")
+        return self._process.ended()
+
     def stop(self, grace: float = 10.0) -> Deferred[None]:
         """
         SIGTERM, then SIGKILL after C{grace} seconds; fires once it exited.

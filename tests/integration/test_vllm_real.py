@@ -31,6 +31,8 @@ import treq
 from attrs import evolve
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.protocol import Protocol
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import SkipTest, TestCase
 
@@ -42,6 +44,7 @@ from tests.vllm_contract import VllmContract
 
 MODEL = vllm_real.SERVED_NAME
 GAUGE = "vllm:engine_sleep_state"
+RUNNING = "vllm:num_requests_running"
 WAKE_STEPS = ["/wake_up", "/collective_rpc", "/reset_prefix_cache", "/health"]
 ACCESS = re.compile(r'"(GET|POST) (\S+) HTTP/[\d.]+" (\d{3})')
 
@@ -108,6 +111,21 @@ def stream_finish_reasons(body: bytes) -> list[str]:
             if choice.get("finish_reason"):
                 reasons.append(choice["finish_reason"])
     return reasons
+
+
+class _RawClient(Protocol):
+    """One raw HTTP request whose connection the test can drop at will."""
+
+    def __init__(self, request: bytes) -> None:
+        self.request = request
+        self.received = bytearray()
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.write(self.request)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
 
 
 class RealVllmTests(TestCase):
@@ -641,6 +659,70 @@ class RealVllmTests(TestCase):
             facts["wake_up_full"], [200, {"status": "awake", "tags": None}]
         )
         self.assertEqual(facts["sleep_level_3"], 400)
+
+    # -- (h) does a client hang-up free the engine? (spec §5.7) ----------------
+
+    async def running(self) -> float:
+        """vLLM's C{vllm:num_requests_running}, summed over its label sets."""
+        code, body = await self.direct("GET", "/metrics", timeout=10)
+        self.assertEqual(code, 200)
+        total = 0.0
+        for line in body.decode("utf-8", "replace").splitlines():
+            if line.startswith(RUNNING + "{") or line.startswith(RUNNING + " "):
+                total += float(line.rpartition(" ")[2])
+        return total
+
+    async def hang_up(self, facade: str, stream: bool) -> dict[str, Any]:
+        """
+        Start a long chat through nvproxy, hang up once vLLM runs it (and,
+        streaming, once a few chunks arrived); how long vLLM still ran it.
+        """
+        body = json.dumps(chat_body(max_tokens=1800, stream=stream)).encode()
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: nvproxy\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        ) + body
+        client = _RawClient(request)
+        port = int(facade.rsplit(":", 1)[1])
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), client)
+        for _ in range(600):
+            if (not stream or client.received.count(b"data:") >= 5) and (
+                await self.running() >= 1
+            ):
+                break
+            await deferLater(reactor, 0.1, lambda: None)
+        self.assertGreaterEqual(await self.running(), 1)
+        hung_up = time.monotonic()
+        assert client.transport is not None
+        client.transport.loseConnection()
+        freed = None
+        for _ in range(600):
+            if await self.running() == 0:
+                freed = round(time.monotonic() - hung_up, 2)
+                break
+            await deferLater(reactor, 0.1, lambda: None)
+        return {
+            "request_freed_after_s": freed,
+            "chunks_before": client.received.count(b"data:"),
+        }
+
+    async def test_h_hang_up_frees_the_request(self) -> None:
+        """
+        (h) A client that closes its connection mid-answer, streaming or
+        not: vLLM stops running the request (C{vllm:num_requests_running}
+        drops to 0) well before 1,800 tokens would have been generated.
+        Recorded in docs/cancellation.rst.
+        """
+        proxy, facade, admin = await self.start_nvproxy()
+        facts = {
+            "streaming": await self.hang_up(facade, stream=True),
+            "non_streaming": await self.hang_up(facade, stream=False),
+        }
+        record("client_hang_up", facts)
+        for case in facts.values():
+            self.assertIsNotNone(case["request_freed_after_s"], facts)
+            self.assertLess(case["request_freed_after_s"], 10.0, facts)
 
 
 class RealVllmContractTests(VllmContract, TestCase):
