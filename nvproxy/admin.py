@@ -11,7 +11,7 @@ link calls) and renders the answer or the L{OperationError}.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from klein import Klein
@@ -20,11 +20,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.resource import IResource
+from twisted.web.resource import IResource, Resource
+from twisted.web.server import NOT_DONE_YET
 
 from nvproxy.engines import ENGINES
 from nvproxy.jsonhttp import json_bytes, set_json
 from nvproxy.logs import clip
+from nvproxy.net import is_loopback_host
 from nvproxy.ops import OperationError
 from nvproxy.proxy.urlgate import TextURLGate
 
@@ -218,5 +220,61 @@ def admin_resource(app: Klein) -> IResource:
         request.write(data)
         request.finish()
 
-    resource: IResource = TextURLGate(app.resource(), refuse)
+    def forbid(request: Any, reason: str) -> None:
+        log.info(
+            "admin API refused {method} {path}: {reason}",
+            method=request.method.decode("latin-1"),
+            path=clip(request.path.decode("latin-1")),
+            reason=reason,
+        )
+        data = json_bytes({"error": reason})
+        set_json(request, 403, data)
+        request.write(data)
+        request.finish()
+
+    resource: IResource = TextURLGate(LoopbackOrigin(app.resource(), forbid), refuse)
     return resource
+
+
+_SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+
+
+def _loopback_host(host: str) -> bool:
+    """C{127.x.x.x}, C{[::1]} or C{localhost}, with or without a port."""
+    name = host.lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    else:
+        name = name.rpartition(":")[0] if name.count(":") == 1 else name
+    return name == "localhost" or is_loopback_host(name)
+
+
+class LoopbackOrigin(Resource):
+    """
+    The admin API answers loopback callers only, and the browser is one: a
+    page from anywhere can send it simple requests, and a DNS name rebound
+    to 127.0.0.1 would be same-origin with such a page.  So the C{Host}
+    must name a loopback address (or C{localhost}), and a request that
+    changes something (not C{GET}/C{HEAD}) and carries an C{Origin} must
+    come from the admin API's own origin (the status page's buttons do);
+    C{nvproxyctl}, curl and scripts send no C{Origin}.  Refused: C{403}.
+    """
+
+    isLeaf = True
+
+    def __init__(self, inner: IResource, forbid: Callable[[Any, str], None]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._inner = inner
+        self._forbid = forbid
+
+    def render(self, request: Any) -> Any:
+        host = (request.getHeader(b"host") or b"").decode("latin-1")
+        if not _loopback_host(host):
+            self._forbid(request, "the admin API answers only to a loopback Host")
+            return NOT_DONE_YET
+        origin = request.getHeader(b"origin")
+        if origin is not None and request.method not in _SAFE_METHODS:
+            if origin.decode("latin-1").lower() != f"http://{host.lower()}":
+                self._forbid(request, "cross-origin requests may not change the node")
+                return NOT_DONE_YET
+        return self._inner.render(request)

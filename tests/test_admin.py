@@ -358,3 +358,58 @@ class VllmAdminTests(SynchronousTestCase):
             self.assertEqual(
                 self.post(path, stub), (404, None, {"error": "not found"}), path
             )
+
+
+class LoopbackOriginTests(SynchronousTestCase):
+    """The admin API refuses rebound names and cross-origin changes."""
+
+    def render(
+        self, method: bytes, host: bytes | None, origin: bytes | None = None
+    ) -> tuple[int | None, list[bytes]]:
+        from twisted.web.resource import Resource
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from nvproxy.admin import LoopbackOrigin
+
+        served: list[bytes] = []
+
+        class Inner(Resource):
+            isLeaf = True
+
+            def render(self, request: Any) -> bytes:
+                served.append(request.method)
+                return b"ok"
+
+        refused: list[str] = []
+
+        def forbid(request: Any, reason: str) -> None:
+            refused.append(reason)
+            request.setResponseCode(403)
+
+        request = DummyRequest([b"admin", b"drain"])
+        request.method = method
+        if host is not None:
+            request.requestHeaders.setRawHeaders(b"host", [host])
+        if origin is not None:
+            request.requestHeaders.setRawHeaders(b"origin", [origin])
+        LoopbackOrigin(Inner(), forbid).render(request)
+        return (403 if refused else 200), served
+
+    def test_loopback_hosts(self) -> None:
+        for host in (b"127.0.0.1:8010", b"127.0.0.2", b"[::1]:8010", b"localhost:8010"):
+            self.assertEqual(self.render(b"GET", host), (200, [b"GET"]), host)
+
+    def test_rebound_name_refused(self) -> None:
+        for host in (b"evil.example:8010", b"10.0.0.1:8010", None):
+            self.assertEqual(self.render(b"GET", host), (403, []), host)
+
+    def test_cross_origin_change_refused(self) -> None:
+        host = b"127.0.0.1:8010"
+        self.assertEqual(self.render(b"POST", host, b"http://evil.example"), (403, []))
+        self.assertEqual(
+            self.render(b"POST", host, b"http://127.0.0.1:8010"), (200, [b"POST"])
+        )
+        self.assertEqual(self.render(b"POST", host), (200, [b"POST"]), "no Origin")
+        self.assertEqual(
+            self.render(b"GET", host, b"http://evil.example"), (200, [b"GET"])
+        )
