@@ -208,31 +208,24 @@ def admin_resource(app: Klein) -> IResource:
     traceback.
     """
 
-    def refuse(request: Any, reason: str) -> None:
-        log.info(
-            "admin API refused {method} {path}: {reason}",
-            method=request.method.decode("latin-1"),
-            path=clip(request.path.decode("latin-1")),
-            reason=reason,
-        )
-        data = json_bytes({"error": reason})
-        set_json(request, 400, data)
-        request.write(data)
-        request.finish()
+    def refusal(status: int) -> Callable[[Any, str], None]:
+        def refuse(request: Any, reason: str) -> None:
+            log.info(
+                "admin API refused {method} {path}: {reason}",
+                method=request.method.decode("latin-1"),
+                path=clip(request.path.decode("latin-1")),
+                reason=reason,
+            )
+            data = json_bytes({"error": reason})
+            set_json(request, status, data)
+            request.write(data)
+            request.finish()
 
-    def forbid(request: Any, reason: str) -> None:
-        log.info(
-            "admin API refused {method} {path}: {reason}",
-            method=request.method.decode("latin-1"),
-            path=clip(request.path.decode("latin-1")),
-            reason=reason,
-        )
-        data = json_bytes({"error": reason})
-        set_json(request, 403, data)
-        request.write(data)
-        request.finish()
+        return refuse
 
-    resource: IResource = TextURLGate(LoopbackOrigin(app.resource(), forbid), refuse)
+    resource: IResource = TextURLGate(
+        LoopbackOrigin(app.resource(), refusal(403)), refusal(400)
+    )
     return resource
 
 

@@ -55,14 +55,17 @@ def _engine_port(text: str) -> tuple[str, int]:
     return engine.strip().lower(), int(port)
 
 
-def _parser(out: TextIO) -> _Parser:
+def _subcommands(
+    prog: str, option: str, metavar: str, help: str, out: TextIO
+) -> tuple[_Parser, Any]:
+    """
+    A C{nvproxyctl GROUP COMMAND} parser whose every command takes
+    C{option} (the file or dir it works on); returns the parser and a
+    C{command(name, help)} that adds one.
+    """
     common = _Parser(add_help=False, out=out)
-    common.add_argument(
-        "--dir",
-        metavar="D",
-        help=f"cluster dir (default: $NVPROXY_CLUSTER_DIR or {DEFAULT_CLUSTER_DIR})",
-    )
-    parser = _Parser(prog="nvproxyctl cluster", out=out)
+    common.add_argument(option, metavar=metavar, help=help)
+    parser = _Parser(prog=prog, out=out)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str) -> _Parser:
@@ -70,6 +73,18 @@ def _parser(out: TextIO) -> _Parser:
             name, help=help, parents=[common], out=out
         )
         return parser
+
+    return parser, command
+
+
+def _parser(out: TextIO) -> _Parser:
+    parser, command = _subcommands(
+        "nvproxyctl cluster",
+        "--dir",
+        "D",
+        f"cluster dir (default: $NVPROXY_CLUSTER_DIR or {DEFAULT_CLUSTER_DIR})",
+        out,
+    )
 
     init = command("init", "create this node's key and certificate")
     init.add_argument("node_id", metavar="NODE_ID")

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import TextIO
 
-from nvproxy.ctl.cluster import _Exit, _Parser, _Usage
+from nvproxy.ctl.cluster import _Exit, _Parser, _subcommands, _Usage
 from nvproxy.keyring import (
     KEY_NAME_PATTERN,
     KeyFileError,
@@ -35,20 +35,13 @@ DEFAULT_KEYS_FILE = "/etc/nvproxy/api-keys"
 
 
 def _parser(out: TextIO) -> _Parser:
-    common = _Parser(add_help=False, out=out)
-    common.add_argument(
+    parser, command = _subcommands(
+        "nvproxyctl keys",
         "--file",
-        metavar="PATH",
-        help=f"keys file (default: $NVPROXY_API_KEYS_FILE or {DEFAULT_KEYS_FILE})",
+        "PATH",
+        f"keys file (default: $NVPROXY_API_KEYS_FILE or {DEFAULT_KEYS_FILE})",
+        out,
     )
-    parser = _Parser(prog="nvproxyctl keys", out=out)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, help: str) -> _Parser:
-        parser: _Parser = commands.add_parser(
-            name, help=help, parents=[common], out=out
-        )
-        return parser
 
     add = command("add", "generate a key, print it once, store its hash")
     add.add_argument("name", metavar="NAME")
