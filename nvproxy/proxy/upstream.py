@@ -49,6 +49,7 @@ from zope.interface import implementer
 
 from nvproxy.discovery import InventoryClient
 from nvproxy.proxy.backendauth import KeyedAgent
+from nvproxy.proxy.chunked import coalesce_chunks
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
 HOP_BY_HOP = frozenset(
@@ -261,11 +262,19 @@ class EndpointFactory:
 
 class _ClientProtocol(HTTP11ClientProtocol):
     """
-    Twisted's client protocol, leaving no reference cycle behind a
+    Twisted's client protocol, decoding chunked bodies with
+    L{nvproxy.proxy.chunked} and leaving no reference cycle behind a
     response: its parser and the parser's body decoder point at each other
     (C{HTTPClientParser._finished} is the decoder's callback), so every
     response would wait for the cyclic collector, with everything it holds.
     """
+
+    def request(self, request: Any) -> Deferred[Any]:
+        answer: Deferred[Any] = super().request(request)
+        if self._parser is not None:
+            # chunked bodies handed on once per read, not once per chunk
+            coalesce_chunks(self._parser)
+        return answer
 
     def _disconnectParser(self, reason: Failure) -> None:
         parser = self._parser
