@@ -220,7 +220,7 @@ class NvProxy(MultiService):
             draining=lambda: self.drain.draining,
         )
         self.peer_records: PeerRecords | None = None
-        # etcd (issue: fleets): peers' records from an etcd prefix, no peer
+        # etcd (DESIGN §3, fleets): peers' records from an etcd prefix, no peer
         # polled; "static": configured nodes only.
         self.etcd_peers: EtcdPeers | None = None
         if config.discovery_provider == "etcd":
