@@ -31,6 +31,7 @@ from nvproxy.testing.harness import (
     Client,
     NotHealthy,
     eventually,
+    facade_url,
     free_port,
     wait_healthy,
 )
@@ -539,3 +540,65 @@ class InProcessReloadTests(ProxyTestCase):
         result = await proxy.ops.reload()
         self.assertEqual(result["changed"], ["engines.ollama.enabled"])
         self.assertIsNotNone(proxy.listeners["ollama"].listening)
+
+
+class InProcessDrainMetricsTests(ProxyTestCase):
+    """Workload events and metrics stay exact through a drain."""
+
+    async def test_counts_through_the_drain(self) -> None:
+        from prometheus_client import generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        ollama, openai = await _engines(
+            self,
+            Behaviour(chunks=6, chunk_interval=0.05),
+            Behaviour(latency=20.0),
+        )
+        proxy = await self.proxy({"ollama": ollama.url, "vllm": openai.url})
+        proxy.shutdown.grace = 10.0
+        streaming = await self.client.http.post(
+            facade_url(proxy, "ollama") + "/api/chat", data=_chat("llama3")
+        )
+        self.assertEqual(streaming.code, 200)
+        held = Deferred.fromCoroutine(
+            self.client.request(
+                "POST",
+                facade_url(proxy, "vllm") + "/v1/chat/completions",
+                data=_chat("qwen"),
+                headers={"Content-Type": "application/json"},
+            )
+        )
+        await eventually(
+            reactor,
+            lambda: any(r.model == "qwen" for r in openai.requests),
+            what="the held request",
+        )
+        stopped = proxy.stopService()
+        code, _, _ = await held
+        self.assertEqual(code, 503)
+        lines = (await treq.content(streaming)).decode().splitlines()
+        self.assertTrue(json.loads(lines[-1])["done"])
+        await stopped
+        requests: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(
+            generate_latest(proxy.registry).decode()
+        ):
+            for sample in family.samples:
+                if sample.name == "nvproxy_requests_total":
+                    key = (sample.labels["engine"], sample.labels["outcome"])
+                    requests[key] = requests.get(key, 0) + sample.value
+                if sample.name == "nvproxy_inflight_requests":
+                    self.assertEqual(sample.value, 0, sample.labels)
+        # one each, no more, and the same in both: the committed stream
+        # completed, the held one (answered 503) ended cancelled
+        states = {
+            (w["engine"], w["state"])
+            for w in (
+                entry["events"][-1]["workloadInfo"]
+                for entry in proxy.ops.recent_workloads(10)
+            )
+        }
+        self.assertEqual(
+            requests, {("ollama", "completed"): 1, ("vllm", "cancelled"): 1}
+        )
+        self.assertEqual(states, {("ollama", "completed"), ("vllm", "cancelled")})
