@@ -13,7 +13,7 @@ advertising until it answers again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from attrs import field, frozen
 from twisted.application.service import Service
@@ -160,7 +160,45 @@ class InventoryClient:
         raise NotImplementedError
 
 
-class PollingDiscovery(Service):
+K = TypeVar("K")
+
+
+class Poller(Service, Generic[K]):
+    """
+    A service that calls L{poll} every C{interval} seconds on the injected
+    clock, from its start, and cancels the polls in flight (by key, in
+    C{_inflight}) when it stops.  C{what} names it in the log line of a
+    loop that died.
+    """
+
+    def __init__(self, clock: IReactorTime, interval: float, what: str) -> None:
+        self._clock = clock
+        self._interval = interval
+        self._what = what
+        self._inflight: dict[K, Deferred[None]] = {}
+        self._waiters: dict[K, list[Deferred[None]]] = {}
+        self._loop = LoopingCall(self.poll)
+        self._loop.clock = clock
+
+    def poll(self) -> Deferred[Any]:
+        raise NotImplementedError
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self._loop.start(self._interval, now=True).addErrback(
+            lambda failure: log.failure(f"{self._what} stopped", failure)
+        )
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        if self._loop.running:
+            self._loop.stop()
+        for d in list(self._inflight.values()):
+            d.cancel()
+        return None
+
+
+class PollingDiscovery(Poller[Endpoint]):
     """
     Polls every endpoint's model list every C{interval} seconds.
 
@@ -184,20 +222,15 @@ class PollingDiscovery(Service):
         answered: Callable[[Endpoint], None] | None = None,
         annotate: Callable[[str, NodeEntry], NodeEntry] | None = None,
     ) -> None:
+        super().__init__(clock, interval, "inventory polling")
         self.discovery = discovery
         self._annotate = annotate
         self._answered = answered
         self._client = client
-        self._clock = clock
-        self._interval = interval
         self._endpoints: tuple[Endpoint, ...] = tuple(endpoints)
         self._static = dict(static_models or {})
         self._answers: dict[Endpoint, frozenset[str]] = {}
         self._fed: Mapping[str, Mapping[str, NodeEntry]] = {}
-        self._inflight: dict[Endpoint, Deferred[None]] = {}
-        self._waiters: dict[Endpoint, list[Deferred[None]]] = {}
-        self._loop = LoopingCall(self.poll)
-        self._loop.clock = clock
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """
@@ -211,20 +244,6 @@ class PollingDiscovery(Service):
         for gone in [e for e in self._inflight if e not in known]:
             self._inflight.pop(gone).cancel()
         self._publish()
-
-    def startService(self) -> None:
-        super().startService()  # type: ignore[no-untyped-call]
-        self._loop.start(self._interval, now=True).addErrback(
-            lambda failure: log.failure("inventory polling stopped", failure)
-        )
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()  # type: ignore[no-untyped-call]
-        if self._loop.running:
-            self._loop.stop()
-        for d in list(self._inflight.values()):
-            d.cancel()
-        return None
 
     def poll(self) -> Deferred[Any]:
         """

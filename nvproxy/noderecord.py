@@ -36,13 +36,11 @@ from types import MappingProxyType
 from typing import Any, Final, Protocol
 
 from attrs import evolve, field, frozen
-from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from nvproxy.discovery import Discovery, InventoryClient, NodeEntry
+from nvproxy.discovery import Discovery, InventoryClient, NodeEntry, Poller
 from nvproxy.logs import describe
 from nvproxy.readiness import AWAKE, READINESS, ModelReadiness
 
@@ -303,7 +301,7 @@ class LocalRecord:
 # -- peers ------------------------------------------------------------------
 
 
-class PeerRecords(Service):
+class PeerRecords(Poller[str]):
     """
     Polls each peer's record every C{interval} seconds and keeps the last
     valid one.  A peer that does not answer, answers something invalid, or
@@ -321,17 +319,12 @@ class PeerRecords(Service):
         interval: float,
         changed: Callable[[], None],
     ) -> None:
+        super().__init__(clock, interval, "node record polling")
         self._client = client
-        self._clock = clock
-        self._interval = interval
         self._changed = changed
         self._peers: dict[str, str] = {}
         self.records: dict[str, NodeRecord] = {}
         self._state: dict[str, str] = {}
-        self._inflight: dict[str, Deferred[None]] = {}
-        self._waiters: dict[str, list[Deferred[None]]] = {}
-        self._loop = LoopingCall(self.poll)
-        self._loop.clock = clock
 
     def set_peers(self, peers: Mapping[str, str]) -> None:
         """Peer id -> a base URL of one of its facades (any: one record)."""
@@ -345,20 +338,6 @@ class PeerRecords(Service):
             del self._state[peer]
         if gone:
             self._changed()
-
-    def startService(self) -> None:
-        super().startService()  # type: ignore[no-untyped-call]
-        self._loop.start(self._interval, now=True).addErrback(
-            lambda failure: log.failure("node record polling stopped", failure)
-        )
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()  # type: ignore[no-untyped-call]
-        if self._loop.running:
-            self._loop.stop()
-        for d in list(self._inflight.values()):
-            d.cancel()
-        return None
 
     def poll(self) -> Deferred[Any]:
         """Ask every peer not already being asked; fires once all answered."""

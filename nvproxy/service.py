@@ -545,11 +545,13 @@ class NvProxy(MultiService):
     def _etcd_records(self, documents: Records) -> None:
         """Every other node's record, as etcd has it now."""
         assert self.etcd_peers is not None
+        before = self.etcd_peers.peers
         entries = self.etcd_peers.apply(documents)
-        # new peers' addresses and pins: connections to the old ones go
-        self.upstream.pool.closeCachedConnections()
+        if self.etcd_peers.peers != before:
+            # peers moved, left or changed pins: connections dialed to the
+            # old ones go (a readiness change alone keeps them)
+            self.upstream.pool.closeCachedConnections()
         self.polling.set_fed(entries)
-        self.record.refresh()
 
     def _discovery_status(self) -> Mapping[str, Any]:
         if self.etcd is not None:
