@@ -24,7 +24,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 
 from nvproxy.accounting import Accounting
-from nvproxy.cluster import ClusterDir, Peer, PeerPolicyForHTTPS
+from nvproxy.cluster import PeerPolicyForHTTPS
 from nvproxy.config import VllmHold, VllmServiceConfig
 from nvproxy.discovery import Endpoint, NodeEntry
 from nvproxy.drain import DrainState
@@ -36,8 +36,8 @@ from nvproxy.service import NvProxy
 from nvproxy.testing.fakevllm import FakeVLLM
 from nvproxy.testing.harness import (
     facade_url,
-    free_port,
     nvproxyctl,
+    pinned_cluster,
     proxy_config,
     start_proxy,
 )
@@ -206,20 +206,7 @@ class FleetTests(ProxyTestCase):
         for C{hold} seconds while it wakes, with C{dispatch} overrides.
         """
         root = os.path.abspath(self.mktemp())
-        dirs = {n: ClusterDir(os.path.join(root, n)) for n in NODES}
-        fingerprints = {n: dirs[n].init(n, reactor).fingerprint for n in NODES}
-        ports = {n: free_port() for n in NODES}
-        for node in NODES:
-            for other in NODES:
-                if other != node:
-                    dirs[node].add_peer(
-                        Peer(
-                            other,
-                            "127.0.0.1",
-                            fingerprints[other],
-                            {"vllm": ports[other]},
-                        )
-                    )
+        _, ports = pinned_cluster(root, NODES, reactor, engine="vllm")
         fakes: dict[str, FakeVLLM] = {}
         proxies: dict[str, NvProxy] = {}
         for node in NODES:

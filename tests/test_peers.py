@@ -17,7 +17,13 @@ from nvproxy.cluster import ClusterDir, Peer, PeerPolicyForHTTPS
 from nvproxy.proxy.upstream import BytesProducer
 from nvproxy.service import NvProxy
 from nvproxy.testing.fakeengine import FakeEngine
-from nvproxy.testing.harness import facade_url, free_port, proxy_config, start_proxy
+from nvproxy.testing.harness import (
+    facade_url,
+    free_port,
+    pinned_cluster,
+    proxy_config,
+    start_proxy,
+)
 from tests.test_accounting import _inference
 from tests.test_forwarding import ProxyTestCase
 
@@ -49,20 +55,7 @@ class ClusterTests(ProxyTestCase):
         Three nodes; node X's engine serves model C{X:latest} only.
         """
         root = os.path.abspath(self.mktemp())
-        dirs = {n: ClusterDir(os.path.join(root, n)) for n in NODES}
-        fingerprints = {n: dirs[n].init(n, reactor).fingerprint for n in NODES}
-        ports = {n: free_port() for n in NODES}
-        for node in NODES:
-            for other in NODES:
-                if other != node:
-                    dirs[node].add_peer(
-                        Peer(
-                            other,
-                            "127.0.0.1",
-                            fingerprints[other],
-                            {"ollama": ports[other]},
-                        )
-                    )
+        dirs, ports = pinned_cluster(root, NODES, reactor, engine="ollama")
         self.dirs = dirs
         fakes = {}
         proxies = {}

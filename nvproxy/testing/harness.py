@@ -14,7 +14,7 @@ import io
 import os
 import socket
 import sys
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import treq
@@ -40,6 +40,7 @@ from twisted.internet.interfaces import (
     IPullProducer,
     IPushProducer,
     IReactorTCP,
+    IReactorTime,
     IStreamClientEndpoint,
     ITCPTransport,
 )
@@ -51,6 +52,7 @@ from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
+from nvproxy.cluster import ClusterDir, Peer
 from nvproxy.config import Config, DispatchConfig, load_config
 from nvproxy.dispatch import DispatchPolicy
 from nvproxy.service import NvProxy, build
@@ -133,6 +135,32 @@ async def start_proxy(reactor: Any, config: Config) -> NvProxy:
     await proxy.ready()
     await proxy.polling.poll()
     return proxy
+
+
+def pinned_cluster(
+    root: str,
+    nodes: Sequence[str],
+    clock: IReactorTime,
+    *,
+    engine: str | None = None,
+    address: str = "127.0.0.1",
+) -> tuple[dict[str, ClusterDir], dict[str, int]]:
+    """
+    One cluster dir per node under C{root}, each with its identity and
+    every other node pinned at C{address}, with a free facade port for
+    C{engine} (no port when C{engine} is None: discovery says where).
+
+    @return: the dirs and the ports, by node id.
+    """
+    dirs = {n: ClusterDir(os.path.join(root, n)) for n in nodes}
+    fingerprints = {n: dirs[n].init(n, clock).fingerprint for n in nodes}
+    ports = {n: free_port() for n in nodes}
+    for node in nodes:
+        for other in nodes:
+            if other != node:
+                facade = {} if engine is None else {engine: ports[other]}
+                dirs[node].add_peer(Peer(other, address, fingerprints[other], facade))
+    return dirs, ports
 
 
 def facade_url(proxy: NvProxy, engine: str) -> str:

@@ -24,6 +24,7 @@ from nvproxy.testing.harness import (
     eventually,
     facade_url,
     free_port,
+    pinned_cluster,
     proxy_config,
     start_proxy,
 )
@@ -61,15 +62,9 @@ class EtcdFleetTests(ProxyTestCase):
         Three nodes pinned to each other in their cluster dirs, each with a
         vLLM service serving L{MODEL}; peers known only from etcd.
         """
-        dirs = {n: ClusterDir(os.path.join(self.root, n)) for n in NODES}
-        fingerprints = {n: dirs[n].init(n, reactor).fingerprint for n in NODES}
-        self.ports = {n: free_port() for n in NODES}
-        for node in NODES:
-            for other in NODES:
-                if other != node:
-                    # the pin only: no address or port in the dir, etcd
-                    # tells where the peer is
-                    dirs[node].add_peer(Peer(other, "192.0.2.1", fingerprints[other]))
+        # the pins only (a placeholder address, no port): etcd tells where
+        # each peer is
+        _, self.ports = pinned_cluster(self.root, NODES, reactor, address="192.0.2.1")
         fakes: dict[str, FakeVLLM] = {}
         proxies: dict[str, NvProxy] = {}
         for node in NODES:
