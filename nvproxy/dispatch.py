@@ -72,8 +72,9 @@ from attrs import define, field, frozen, validators
 from automat import TypeMachineBuilder
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+from nvproxy.logs import Logger
 
 __all__ = [
     "Attempt",

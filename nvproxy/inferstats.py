@@ -205,12 +205,12 @@ class StatsMeter:
         window = bytes(self._tail)
         whole = self._total <= len(window)
         sse = self._events > 0
+        report = _last_report(window, whole)
+        if report is not None and report.completion is not None:
+            # The engine reported its counts: nothing to estimate, so the
+            # rest of the window need not be decoded.
+            return self._stats(report, ttft, sse, estimated=False)
         records, done, report_only = _records(window, whole)
-        report: _Report | None = None
-        for record in reversed(records):
-            report = _report(record)
-            if report is not None:
-                break
         if report is None and not whole:
             # One document larger than the window (a long non-streaming answer, or
             # llama.cpp's final event carrying the prompt): read the report keys
@@ -226,6 +226,11 @@ class StatsMeter:
                 )
         if report is None:
             return None if ttft is None else Stats(ttftMs=ttft)
+        return self._stats(report, ttft, sse, estimated)
+
+    def _stats(
+        self, report: _Report, ttft: int | None, sse: bool, estimated: bool
+    ) -> Stats:
         tps = report.tps
         if tps is None and report.completion and sse:
             tps = self._decode_rate(report.completion)
@@ -279,6 +284,36 @@ def _lines(window: bytes, whole: bool) -> Iterator[bytes]:
             yield stripped
 
 
+def _record(line: bytes) -> object:
+    """One non-blank line of the window decoded (C{None}: not a record)."""
+    if line.startswith(b"data:"):
+        line = line[5:].strip()
+        if line == _DONE:
+            return None
+    elif line.startswith((b"event:", b"id:", b"retry:", b":")):
+        return None
+    return _loads(line)
+
+
+def _last_report(window: bytes, whole: bool) -> _Report | None:
+    """
+    The report of the last record carrying one: what L{_records} and a
+    walk back over them find, decoding only from the window's end back to
+    that record (the engine's report is the last or next-to-last event).
+    """
+    if whole and window:
+        body = _loads(window)
+        if isinstance(body, dict):
+            return _report(body)
+    for line in reversed(list(_lines(window, whole))):
+        value = _record(line)
+        if isinstance(value, dict):
+            report = _report(value)
+            if report is not None:
+                return report
+    return None
+
+
 def _records(window: bytes, whole: bool) -> tuple[list[dict[str, Any]], int, int]:
     """
     The JSON objects in the window, in order, plus how many ``[DONE]`` markers and
@@ -292,14 +327,10 @@ def _records(window: bytes, whole: bool) -> tuple[list[dict[str, Any]], int, int
     done = 0
     report_only = 0
     for line in _lines(window, whole):
-        if line.startswith(b"data:"):
-            line = line[5:].strip()
-            if line == _DONE:
-                done += 1
-                continue
-        elif line.startswith((b"event:", b"id:", b"retry:", b":")):
+        if line.startswith(b"data:") and line[5:].strip() == _DONE:
+            done += 1
             continue
-        value = _loads(line)
+        value = _record(line)
         if isinstance(value, dict):
             records.append(value)
             if value.get("choices") == [] and value.get("usage") is not None:

@@ -19,6 +19,7 @@ import sys
 from datetime import UTC, datetime
 from typing import IO, Final
 
+import twisted.logger
 from twisted.logger import (
     FileLogObserver,
     FilteringLogObserver,
@@ -30,6 +31,7 @@ from twisted.logger import (
     PredicateResult,
     formatEvent,
     formatEventAsClassicLogText,
+    formatTime,
 )
 from zope.interface import implementer
 
@@ -52,7 +54,7 @@ def event_as_json_line(event: LogEvent) -> str:
     level = event.get("log_level")
     record["level"] = getattr(level, "name", "info")
     record["namespace"] = event.get("log_namespace", "-")
-    record["message"] = formatEvent(event)
+    record["message"] = _message(event)
     for key, value in event.items():
         if key.startswith("log_") or key in record:
             continue
@@ -74,13 +76,76 @@ def json_observer(out: IO[str] | None = None) -> ILogObserver:
 
 def text_observer(out: IO[str] | None = None) -> ILogObserver:
     stream = out if out is not None else sys.stdout
-    return FileLogObserver(stream, formatEventAsClassicLogText)
+    return FileLogObserver(stream, event_as_text_line)
+
+
+def _message(event: LogEvent) -> str:
+    """
+    C{formatEvent(event)}, without its cost for the common event: a plain
+    C{str} format of named fields is C{str.format_map}'s job (Twisted's
+    formatter is pure Python, for the call syntax C{{f()}} no caller here
+    uses); anything else, or a format that fails, goes to Twisted's.
+    """
+    format = event.get("log_format")
+    if type(format) is str and "log_flattened" not in event:
+        try:
+            return format.format_map(event)
+        except Exception:
+            pass
+    return formatEvent(event)
+
+
+_stamp: list[object] = [None, ""]
+
+
+def _time_text(when: float | None) -> str:
+    """Twisted's C{formatTime}, computed once per second of log output."""
+    if when is None:
+        return formatTime(when)
+    second = int(when)
+    if _stamp[0] != second:
+        _stamp[:] = [second, formatTime(second)]
+    return str(_stamp[1])
+
+
+def event_as_text_line(event: LogEvent) -> str | None:
+    """
+    One log event as Twisted's classic text line
+    (C{formatEventAsClassicLogText}: C{TIME [NAMESPACE#LEVEL] MESSAGE}),
+    made faster for the event that has no traceback (see L{_message}).
+    """
+    if "log_failure" in event or type(event.get("log_format")) is not str:
+        return formatEventAsClassicLogText(event, formatTime=_time_text)
+    text = _message(event)
+    if not text:
+        return None
+    system = event.get("log_system")
+    if system is None:
+        level = event.get("log_level")
+        system = f"{event.get('log_namespace', '-')}#{getattr(level, 'name', '-')}"
+    line = f"{_time_text(event.get('log_time'))} [{system}] {text}"
+    return line.replace("\n", "\n\t") + "\n"
 
 
 LEVELS: Final = ("debug", "info", "warn", "error", "critical")
 """The level names C{--log-level} and C{log/set-level} accept."""
 
 _level = LogLevelFilterPredicate(defaultLogLevel=LogLevel.info)
+_debug_shown = False
+
+
+class Logger(twisted.logger.Logger):
+    """
+    Twisted's L{twisted.logger.Logger}, except that C{debug} builds no event
+    while the output is filtered above debug (L{set_level}): the per-request
+    routing detail is debug (spec §9), and an event nobody shows still cost
+    a dict, a level check and a pass through every observer, several times
+    per request.  Hot paths log through this one.
+    """
+
+    def debug(self, format: str | None = None, **kwargs: object) -> None:
+        if _debug_shown:
+            self.emit(LogLevel.debug, format, **kwargs)
 
 
 def set_level(level: str) -> None:
@@ -97,6 +162,8 @@ def set_level(level: str) -> None:
     # defaultLogLevel only when it is built (or cleared): set both.
     _level.defaultLogLevel = new
     _level.setLogLevelForNamespace("", new)
+    global _debug_shown
+    _debug_shown = new is LogLevel.debug
 
 
 def current_level() -> str:

@@ -217,9 +217,10 @@ class WorkloadRecorder:
         )
         return WorkloadTracker(self, info)
 
-    def _emit(self, method: str, info: WorkloadInfo) -> WorkloadInfo:
+    def _emit(self, method: str, info: WorkloadInfo, **changes: Any) -> WorkloadInfo:
+        """Send C{info} with C{changes} and the next C{seq} to every sink."""
         self._seq += 1
-        info = attrs.evolve(info, seq=self._seq)
+        info = attrs.evolve(info, seq=self._seq, **changes)
         for sink in self._sinks:
             try:
                 sink.emit(method, info)
@@ -336,7 +337,7 @@ class WorkloadTracker:
     def _emit(self, method: str, **changes: Any) -> None:
         if self._done:
             return
-        self._info = self._recorder._emit(method, attrs.evolve(self._info, **changes))
+        self._info = self._recorder._emit(method, self._info, **changes)
 
 
 @attrs.define

@@ -511,3 +511,46 @@ class StatsMeterTests(SynchronousTestCase):
         assert stats is not None
         self.assertEqual(stats.completionTokens, blocks * events_per_block)
         self.assertTrue(stats.estimated)
+
+
+_LINES = st.sampled_from(
+    [
+        b'{"message":{"content":"a"},"done":false}',
+        b'{"done":true,"eval_count":7,"prompt_eval_count":3,"eval_duration":1000}',
+        b'{"done":true,"prompt_eval_count":3}',
+        b'data: {"choices":[{"delta":{"content":"x"}}]}',
+        b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":5}}',
+        b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"timings":'
+        b'{"predicted_n":4,"prompt_n":1,"cache_n":2}}',
+        b"data: [DONE]",
+        b"event: message",
+        b": keep-alive",
+        b'{"tokens_predicted":3,"tokens_evaluated":9}',
+        b'{"usage":{"prompt_tokens":"x"}}',
+        b"not json",
+        b"",
+    ]
+)
+
+
+class LastReportTests(SynchronousTestCase):
+    @given(st.lists(_LINES, max_size=12), st.booleans(), st.booleans())
+    def test_same_as_walking_every_record(
+        self, lines: list[bytes], whole: bool, one_document: bool
+    ) -> None:
+        """
+        The report C{finish} finds by decoding back from the window's end is
+        the one a walk back over every decoded record finds.
+        """
+        from nvproxy import inferstats
+
+        window = b"\n".join(lines) + b"\n"
+        if one_document and lines:
+            window = lines[0]
+        records, _, _ = inferstats._records(window, whole)
+        expected = None
+        for record in reversed(records):
+            expected = inferstats._report(record)
+            if expected is not None:
+                break
+        self.assertEqual(inferstats._last_report(window, whole), expected)

@@ -217,3 +217,51 @@ class BrokerSetLevelTests(_LevelTestCase):
         error = set_via_broker("verbose")
         self.assertEqual(error["error"]["code"], -32602)
         self.assertEqual(current_level(), "info")
+
+
+class TextLineTests(SynchronousTestCase):
+    def test_same_as_twisted(self) -> None:
+        """
+        The text observer's line is Twisted's C{formatEventAsClassicLogText}
+        for plain events, calls in formats, failures, a system, a format that
+        does not apply, and an empty one.
+        """
+        from twisted.logger import LogLevel, formatEventAsClassicLogText
+        from twisted.python.failure import Failure
+
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            failure = Failure()
+        base = {"log_time": 1796169064.25, "log_namespace": "ns"}
+        events: list[dict[str, object]] = [
+            {"log_format": "a {a} {b!r}\nnext", "a": 1, "b": "x"},
+            {"log_format": "call {f()}", "f": lambda: 3},
+            {"log_format": "missing {x}", "log_level": LogLevel.warn},
+            {"log_format": ""},
+            {"log_format": "system", "log_system": "-"},
+            {"log_format": "failed", "log_failure": failure},
+            {"log_format": None, "log_text": "legacy"},
+        ]
+        for event in events:
+            event = {**base, "log_level": LogLevel.info, **event}
+            self.assertEqual(
+                logs.event_as_text_line(dict(event)),
+                formatEventAsClassicLogText(dict(event)),
+                event,
+            )
+
+    def test_debug_built_only_when_shown(self) -> None:
+        """
+        L{logs.Logger} makes no debug event while the output is above debug,
+        and makes it once debug is shown; other levels are untouched.
+        """
+        seen: list[str] = []
+        log = logs.Logger(observer=lambda event: seen.append(event["log_format"]))
+        self.addCleanup(set_level, current_level())
+        set_level("info")
+        log.debug("hidden")
+        log.info("shown")
+        set_level("debug")
+        log.debug("detail")
+        self.assertEqual(seen, ["shown", "detail"])

@@ -27,7 +27,6 @@ from attrs import frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
@@ -42,7 +41,7 @@ from nvproxy.dispatch import (
     is_retryable_status,
 )
 from nvproxy.inferstats import StatsMeter
-from nvproxy.logs import describe
+from nvproxy.logs import Logger, describe
 from nvproxy.proxy.client import (
     IDLE_MESSAGE,
     TRUNCATED_MESSAGE,

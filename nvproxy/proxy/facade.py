@@ -28,7 +28,6 @@ from typing import Any
 
 from attrs import frozen
 from twisted.internet.defer import CancelledError, Deferred, gatherResults
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET
@@ -38,7 +37,7 @@ from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
 from nvproxy.dispatch import Dispatcher, JobOutcome, RejectReason, Target
 from nvproxy.engines import RouteKind
 from nvproxy.jsonhttp import write_json
-from nvproxy.logs import clip
+from nvproxy.logs import Logger, clip
 from nvproxy.proxy.access import KeyGate, KeyPolicy, caller_key
 from nvproxy.proxy.accesslog import access_of
 from nvproxy.proxy.attempt import AttemptSettings, HttpTarget, UpstreamRequest

@@ -39,7 +39,6 @@ from attrs import frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import (
     HTTPChannel,
@@ -50,6 +49,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from nvproxy.jsonhttp import json_bytes
+from nvproxy.logs import Logger
 from nvproxy.proxy.accesslog import emit
 
 log = Logger()
