@@ -97,15 +97,33 @@ def reference(raw: bytes) -> Any:
     return model if isinstance(model, str) else "<bad>"
 
 
-def scanned(raw: bytes, block: int = bodies.BLOCK) -> Any:
-    old = bodies.BLOCK
+def scanned(raw: bytes, block: int = bodies.BLOCK, fast: bool = False) -> Any:
+    """
+    L{model_from_json}'s answer, by the block scan (C{fast}: as the daemon
+    runs it, a small body decoded by C{json.loads} first), C{"<bad>"} for a
+    refusal.
+    """
+    old, limit = bodies.BLOCK, bodies.FAST_LIMIT
     bodies.BLOCK = block
+    bodies.FAST_LIMIT = limit if fast else -1
     try:
         return model_from_json(io.BytesIO(raw))
     except BadBody:
         return "<bad>"
     finally:
-        bodies.BLOCK = old
+        bodies.BLOCK, bodies.FAST_LIMIT = old, limit
+
+
+def outcome(raw: bytes, fast: bool) -> tuple[str, Any]:
+    """The model, or the refusal's exact message."""
+    limit = bodies.FAST_LIMIT
+    bodies.FAST_LIMIT = limit if fast else -1
+    try:
+        return ("model", model_from_json(io.BytesIO(raw)))
+    except BadBody as e:
+        return ("refused", str(e))
+    finally:
+        bodies.FAST_LIMIT = limit
 
 
 json_values = st.recursive(
@@ -270,6 +288,57 @@ class JsonScanTests(SynchronousTestCase):
     @given(st.binary(max_size=200), st.integers(1, 16))
     def test_random_bytes_only_badbody(self, raw: bytes, block: int) -> None:
         self.assertEqual(scanned(raw, block), reference(raw))
+
+
+class FastPathTests(SynchronousTestCase):
+    """
+    A small body decoded by C{json.loads} gets exactly the answer, or the
+    refusal with exactly the message, the block scan gives.
+    """
+
+    @settings(max_examples=300)
+    @given(
+        st.one_of(json_values, top_members.map(lambda m: render(m, False, True))),
+        st.lists(
+            st.tuples(st.integers(0, 1 << 16), st.binary(max_size=2), st.booleans()),
+            max_size=3,
+        ),
+    )
+    def test_same_as_scan(
+        self, document: Any, edits: list[tuple[int, bytes, bool]]
+    ) -> None:
+        raw = document if isinstance(document, bytes) else json.dumps(document).encode()
+        for at, data, replace in edits:
+            at = at % (len(raw) + 1)
+            raw = raw[:at] + data + raw[at + (len(data) if replace else 0) :]
+        self.assertEqual(outcome(raw, fast=True), outcome(raw, fast=False))
+
+    @given(st.binary(max_size=200))
+    def test_random_bytes(self, raw: bytes) -> None:
+        self.assertEqual(outcome(raw, fast=True), outcome(raw, fast=False))
+
+    def test_near_the_scans_limits(self) -> None:
+        """Nesting, number length and model length at and past each limit."""
+        depth = bodies.MAX_DEPTH
+        long_model = '"' + "m" * bodies.MAX_FIELD + '"'
+        cases = [
+            b'{"x":' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}",
+            b'{"x":' + b"[" * depth + b"]" * depth + b"}",
+            b'{"x": 1.' + b"5" * (bodies.MAX_NUMBER + 10) + b"}",
+            b'{"x": 1' + b"0" * bodies.MAX_NUMBER + b"}",
+            ('{"model": ' + long_model + "}").encode(),
+            ('{"model": ' + long_model + ', "model": "short"}').encode(),
+            b'{"model": "\u006dodel", "\u006dodel": "m2"}',
+            b"\xef\xbb\xbf" + b'{"model": "bom"}',
+            '{"model": "wide"}'.encode("utf-16"),
+            b'{"model": "\ud800"}',
+            b'{"model": NaN}',
+            b"[]",
+            b'{"model": null}',
+        ]
+        for raw in cases:
+            fast, scan = outcome(raw, fast=True), outcome(raw, fast=False)
+            self.assertEqual(fast, scan, raw[:40])
 
 
 class WithModelTests(SynchronousTestCase):
