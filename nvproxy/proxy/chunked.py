@@ -36,6 +36,8 @@ _LENGTH, _BODY, _CRLF, _TRAILER, _FINISHED = range(5)
 _MAX_TRAILER = 2**16
 _is_hex = re.compile(rb"[0-9a-fA-F]+").fullmatch
 """Twisted's C{_ishexdigits} (1*HEXDIG), at C speed."""
+_WHOLE_SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,16})\r\n").match
+"""A size line without extensions, well within C{maxChunkSizeLineLength}."""
 
 
 class CoalescingChunkedDecoder:
@@ -87,6 +89,22 @@ class CoalescingChunkedDecoder:
     def _parse(self, buf: bytes, pieces: list[bytes]) -> int:
         """Consume what C{buf} completes; the position reached."""
         pos, end, state = 0, len(buf), self._state
+        if state == _LENGTH:
+            # The hot loop: whole chunks without extensions, each one C-level
+            # match and one slice.  Anything else (a chunk cut by the read,
+            # an extension, the last chunk, an error) is left to the loop
+            # below, from the same position.
+            match = _WHOLE_SIZE_LINE
+            while True:
+                found = match(buf, pos)
+                if found is None:
+                    break
+                start = found.end()
+                stop = start + int(found.group(1), 16)
+                if stop == start or buf[stop : stop + 2] != b"\r\n":
+                    break
+                pieces.append(buf[start:stop])
+                pos = stop + 2
         try:
             while pos < end:
                 if state == _BODY:
