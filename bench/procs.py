@@ -209,6 +209,7 @@ def _toml_config(
     nodes: Mapping[str, str],
     node_id: str = "bench",
     cluster_dir: Path | None = None,
+    vllm: tuple[int, str, str] | None = None,
 ) -> str:
     lines = [
         f"node_id = {_toml_string(node_id)}",
@@ -217,15 +218,32 @@ def _toml_config(
         "[discovery]",
         'poll_interval = "2s"',
         "[engines.ollama]",
-        f"port = {facade_port}",
-        f"backend = {_toml_string(backend)}",
+    ]
+    if backend:
+        lines += [f"port = {facade_port}", f"backend = {_toml_string(backend)}"]
+    else:
+        lines.append("enabled = false")
+    lines += [
         "[engines.lmstudio]",
         "enabled = false",
         "[engines.llamacpp]",
         "enabled = false",
         "[engines.vllm]",
-        "enabled = false",
     ]
+    if vllm is None:
+        lines.append("enabled = false")
+    else:
+        # one service that only the benchmark puts to sleep
+        port, url, model = vllm
+        lines += [
+            f"port = {port}",
+            "[[engines.vllm.services]]",
+            'name = "bench"',
+            f"url = {_toml_string(url)}",
+            f"model = {_toml_string(model)}",
+            'idle_sleep = "0"',
+            'idle_offload = "0"',
+        ]
     if cluster_dir is not None:
         lines += ["[cluster]", f"dir = {_toml_string(str(cluster_dir))}"]
     for node_id_, url in nodes.items():
@@ -248,12 +266,15 @@ async def launch_proxy(
     cluster_dir: Path | None = None,
     facade_port: int | None = None,
     extra_config: str = "",
+    vllm: tuple[int, str, str] | None = None,
 ) -> Proxy:
     """
     Start C{twistd -n nvproxy} as node C{node_id} in front of C{backend} and the
     direct C{nodes} (id -> Ollama URL), optionally a cluster member through
     C{cluster_dir}; C{extra_config} is appended to its TOML (e.g. a
-    C{[limits]} table). Does not wait for it (see L{wait_ready}).
+    C{[limits]} table).  An empty C{backend} turns the Ollama facade off;
+    C{vllm} (facade port, service URL, model) turns the vLLM facade on with
+    one service.  Does not wait for it (see L{wait_ready}).
     """
     admin_port = free_port()
     if facade_port is None:
@@ -262,7 +283,13 @@ async def launch_proxy(
     config = workdir / f"{name}.toml"
     config.write_text(
         _toml_config(
-            admin_port, facade_port, backend, dict(nodes or {}), node_id, cluster_dir
+            admin_port,
+            facade_port,
+            backend,
+            dict(nodes or {}),
+            node_id,
+            cluster_dir,
+            vllm,
         )
         + extra_config
     )

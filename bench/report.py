@@ -60,6 +60,9 @@ class RowLike(Protocol):
     def ttfb_p99(self) -> float: ...
 
     @property
+    def errors(self) -> int: ...
+
+    @property
     def lines_per_request(self) -> float: ...
 
     @property
@@ -139,6 +142,7 @@ SPECS: dict[str, Sequence[tuple[str, str, Extract]]] = {
         ("RSS peak", "MB", lambda r: _mb(r.rss_peak)),
         ("RSS per stream", "KB", _per_stream_kb),
         ("TTFB p99", "ms", lambda r: r.ttfb_p99 * 1e3),
+        ("failed streams", "streams", lambda r: float(r.errors)),
     ),
 }
 

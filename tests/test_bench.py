@@ -267,6 +267,7 @@ class ReportTests(SynchronousTestCase):
         )
         self.assertAlmostEqual(figs["open c=500: TTFB p99"]["nvproxy"], 250.0)
         self.assertNotIn("rpr", figs["open c=500: TTFB p99"])
+        self.assertEqual(figs["open c=500: failed streams"], {"nvproxy": 0.0})
 
     def test_detail_table_ratio_to_rpr(self) -> None:
         """The detail table has every path and nvproxy's CPU over RPR's."""
@@ -335,3 +336,34 @@ class ChartTests(SynchronousTestCase):
             self.assertIn("matplotlib", why_not)
             return
         self.assertEqual(out.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
+
+
+class WakeScenarioTests(TestCase):
+    """
+    The wake scenario end to end, shortened: a fake vLLM process behind a
+    real nvproxy, put to sleep at each depth and woken by one request.
+    """
+
+    timeout = 90
+
+    async def test_wake_figures(self) -> None:
+        import io
+
+        workdir = Path(self.mktemp())
+        workdir.mkdir()
+        plan = run.Plan(
+            rounds=1,
+            round_seconds=0.1,
+            warmup_seconds=0.0,
+            wake_rounds=1,
+            wake_latency=0.2,
+            wake_rpc_latency=0.05,
+        )
+        out = io.StringIO()
+        result = await run.scenario_wake(run.Context(reactor, plan, workdir, out))
+        self.assertEqual(result.problems, [])
+        woken = [n for n in result.notes if n.startswith("wake from level")]
+        self.assertEqual(len(woken), 2, result.notes)
+        for depth, note in zip((1, 2), woken, strict=True):
+            self.assertIn(f"level {depth} (scripted 0.25 s", note)
+            self.assertIn("over 1 wakes", note)

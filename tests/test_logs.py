@@ -229,10 +229,7 @@ class TextLineTests(SynchronousTestCase):
         from twisted.logger import LogLevel, formatEventAsClassicLogText
         from twisted.python.failure import Failure
 
-        try:
-            1 / 0
-        except ZeroDivisionError:
-            failure = Failure()
+        failure = Failure(ZeroDivisionError("division by zero"))
         base = {"log_time": 1796169064.25, "log_namespace": "ns"}
         events: list[dict[str, object]] = [
             {"log_format": "a {a} {b!r}\nnext", "a": 1, "b": "x"},
