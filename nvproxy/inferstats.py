@@ -59,6 +59,7 @@ _REPORT_KEYS = (
     "tokens_predicted",
     "tokens_evaluated",
 )
+_REPORT_KEY_BYTES = tuple(key.encode() for key in _REPORT_KEYS)
 # The last occurrence of a report key as an object key: the opening quote is not
 # escaped (so it is not inside a string value of the body).
 _KEY = re.compile(r'(?<!\\)"(' + "|".join(_REPORT_KEYS) + r')"\s*:\s*')
@@ -205,12 +206,12 @@ class StatsMeter:
         window = bytes(self._tail)
         whole = self._total <= len(window)
         sse = self._events > 0
-        report = _last_report(window, whole)
+        win = _Window(window, whole)
+        report = _last_report(win)
         if report is not None and report.completion is not None:
             # The engine reported its counts: nothing to estimate, so the
             # rest of the window need not be decoded.
             return self._stats(report, ttft, sse, estimated=False)
-        records, done, report_only = _records(window, whole)
         if report is None and not whole:
             # One document larger than the window (a long non-streaming answer, or
             # llama.cpp's final event carrying the prompt): read the report keys
@@ -218,7 +219,7 @@ class StatsMeter:
             report = _report(_scan_keys(window))
         estimated = False
         if report is None or report.completion is None:
-            counted = self._count(done, report_only, records, sse)
+            counted = self._count(_tally(win), sse)
             if counted is not None:
                 estimated = True
                 report = _Report(
@@ -244,18 +245,12 @@ class StatsMeter:
             estimated=estimated,
         )
 
-    def _count(
-        self,
-        done: int,
-        report_only: int,
-        records: list[dict[str, Any]],
-        sse: bool,
-    ) -> int | None:
+    def _count(self, tally: _Tally, sse: bool) -> int | None:
         if sse:
-            tokenless = sum(1 for record in records if _finishing(record))
+            tokenless = tally.tokenless
             if _role_only(_first_event(bytes(self._head), self._total)):
                 tokenless += 1
-            return max(0, self._events - done - report_only - tokenless)
+            return max(0, self._events - tally.done - tally.report_only - tokenless)
         if self._dialect != "ollama" or self._newlines == 0:
             # One unreported JSON document (a non-streaming answer) has no
             # events to count.
@@ -263,7 +258,7 @@ class StatsMeter:
         lines = self._newlines
         if not self._tail.endswith(b"\n"):
             lines += 1  # an unterminated last record
-        if records and records[-1].get("done") is True:
+        if tally.last_done:
             lines -= 1  # the final record carries no token
         return max(0, lines)
 
@@ -295,18 +290,38 @@ def _record(line: bytes) -> object:
     return _loads(line)
 
 
-def _last_report(window: bytes, whole: bool) -> _Report | None:
+class _Window:
     """
-    The report of the last record carrying one: what L{_records} and a
-    walk back over them find, decoding only from the window's end back to
-    that record (the engine's report is the last or next-to-last event).
+    The tail window, each line decoded at most once: the walk back for the
+    report and, failing one, the count of every record share the decoding.
     """
-    if whole and window:
-        body = _loads(window)
-        if isinstance(body, dict):
-            return _report(body)
-    for line in reversed(list(_lines(window, whole))):
-        value = _record(line)
+
+    def __init__(self, window: bytes, whole: bool) -> None:
+        self.window = window
+        self.whole = whole
+        self.document: object = _loads(window) if whole and window else None
+        self.lines = list(_lines(window, whole))
+        self._values: dict[int, object] = {}
+
+    def value(self, index: int) -> object:
+        """Line C{index} decoded (L{_record})."""
+        if index not in self._values:
+            self._values[index] = _record(self.lines[index])
+        return self._values[index]
+
+
+def _last_report(win: _Window) -> _Report | None:
+    """
+    The report of the last record carrying one, decoding only from the
+    window's end back to that record (the engine's report is the last or
+    next-to-last event), and only lines that could carry one.
+    """
+    if isinstance(win.document, dict):
+        return _report(win.document)
+    for index in range(len(win.lines) - 1, -1, -1):
+        if not _may_report(win.lines[index]):
+            continue
+        value = win.value(index)
         if isinstance(value, dict):
             report = _report(value)
             if report is not None:
@@ -314,28 +329,68 @@ def _last_report(window: bytes, whole: bool) -> _Report | None:
     return None
 
 
-def _records(window: bytes, whole: bool) -> tuple[list[dict[str, Any]], int, int]:
+@frozen
+class _Tally:
+    """What an estimate needs from the window's records."""
+
+    done: int  # [DONE] markers
+    report_only: int  # report-only events (choices: [] and a usage)
+    tokenless: int  # finishing events with no output (L{_finishing})
+    last_done: bool  # the last record has "done": true (Ollama's final)
+
+
+def _may_report(line: bytes) -> bool:
     """
-    The JSON objects in the window, in order, plus how many ``[DONE]`` markers and
-    report-only (``choices: []``) events it holds.
+    Whether the decoded line could carry a report: only if a report key's
+    name is in it (or an escape, which could spell one).
     """
-    if whole and window:
-        body = _loads(window)
-        if isinstance(body, dict):
-            return [body], 0, 0
-    records: list[dict[str, Any]] = []
-    done = 0
-    report_only = 0
-    for line in _lines(window, whole):
+    return b"\\u" in line or any(key in line for key in _REPORT_KEY_BYTES)
+
+
+def _may_count(line: bytes) -> bool:
+    """
+    Whether the decoded line could be a report-only or finishing event:
+    only with a usage, a C{"stop"}, or a C{finish_reason} that is not
+    literally null (or an escape).  An OpenAI stream's events in between
+    are none of these, and are not decoded.
+    """
+    return (
+        b"\\u" in line
+        or b'"usage"' in line
+        or b'"stop"' in line
+        or line.count(b'"finish_reason"') != line.count(b'"finish_reason":null')
+    )
+
+
+def _counted(value: dict[str, Any]) -> tuple[int, int]:
+    """(report-only, tokenless) of one record."""
+    report_only = value.get("choices") == [] and value.get("usage") is not None
+    return int(report_only), int(_finishing(value))
+
+
+def _tally(win: _Window) -> _Tally:
+    """The window's L{_Tally}, decoding only lines that can change it."""
+    if isinstance(win.document, dict):
+        report_only, tokenless = _counted(win.document)
+        return _Tally(0, report_only, tokenless, win.document.get("done") is True)
+    done = report_only = tokenless = 0
+    last: int | None = None
+    for index, line in enumerate(win.lines):
         if line.startswith(b"data:") and line[5:].strip() == _DONE:
             done += 1
-            continue
-        value = _record(line)
-        if isinstance(value, dict):
-            records.append(value)
-            if value.get("choices") == [] and value.get("usage") is not None:
-                report_only += 1
-    return records, done, report_only
+        elif _may_count(line):
+            value = win.value(index)
+            if isinstance(value, dict):
+                only, finishing = _counted(value)
+                report_only += only
+                tokenless += finishing
+    for index in range(len(win.lines) - 1, -1, -1):
+        if isinstance(win.value(index), dict):
+            last = index
+            break
+    last_value = win.value(last) if last is not None else None
+    last_done = isinstance(last_value, dict) and last_value.get("done") is True
+    return _Tally(done, report_only, tokenless, last_done)
 
 
 def _first_event(head: bytes, total: int) -> object:
@@ -408,6 +463,8 @@ def _scan_keys(window: bytes) -> dict[str, Any]:
     The report keys found in the tail of one large JSON document, each the last
     occurrence whose value decodes.
     """
+    if not any(key in window for key in _REPORT_KEY_BYTES):
+        return {}  # what the search below would find, without decoding
     text = window.decode("utf-8", "replace")
     decoder = json.JSONDecoder()
     found: dict[str, Any] = {}
