@@ -65,7 +65,9 @@ class Plan:
     paced_interval: float = 0.025
     # open: this many streams opened at once, one request each, held open by
     # a slow engine; rounds of one batch per path
-    open_streams: tuple[int, ...] = (500, 2000)
+    open_streams: int = 500
+    # open-2000: the same with this many streams, one batch per path
+    many_streams: int = 2000
     open_chunks: int = 40
     open_interval: float = 0.05
     open_rounds: int = 2
@@ -500,25 +502,33 @@ async def scenario_paced(ctx: Context) -> Result:
     )
 
 
-async def scenario_open(ctx: Context) -> Result:
+async def scenario_open(ctx: Context, streams: int = 0, rounds: int = 0) -> Result:
     """
-    C{open_streams} streams opened at once (500, then 2,000), each one
-    request held open by a slow engine (C{open_chunks} tokens
-    C{open_interval} apart): the proxy's RSS before and at the peak, the
-    time to first byte and how many streams failed.
+    C{open_streams} streams opened at once, each one request held open by a
+    slow engine (C{open_chunks} tokens C{open_interval} apart): the proxy's
+    RSS before and at the peak, the time to first byte and how many streams
+    failed.
     """
     plan = ctx.plan
-    rounds = attrs.evolve(plan, rounds=plan.open_rounds, round_seconds=0.05)
+    batches = attrs.evolve(plan, rounds=rounds or plan.open_rounds, round_seconds=0.05)
     return await _with_references(
         ctx,
         "open",
         Workload(MODEL, stream=True, tokens=plan.open_chunks),
         EngineSpec(plan.open_chunks, plan.open_interval),
-        plan.open_streams,
-        plan=attrs.evolve(rounds, warmup_seconds=0.05),
+        (streams or plan.open_streams,),
+        plan=attrs.evolve(batches, warmup_seconds=0.05),
         one_request_each=True,
         warmup_concurrency=50,
     )
+
+
+async def scenario_open_many(ctx: Context) -> Result:
+    """
+    C{open}, with C{many_streams} streams at once and one batch per path:
+    that many work (listen backlog, descriptors), and what they cost.
+    """
+    return await scenario_open(ctx, ctx.plan.many_streams, rounds=1)
 
 
 async def scenario_failover(ctx: Context) -> Result:
@@ -968,6 +978,7 @@ SCENARIOS: dict[str, Callable[[Context], Awaitable[Result]]] = {
     "stream-sse": scenario_stream_sse,
     "paced": scenario_paced,
     "open": scenario_open,
+    "open-2000": scenario_open_many,
     "failover": scenario_failover,
     "mtls": scenario_mtls,
     "wake": scenario_wake,
