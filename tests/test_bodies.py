@@ -162,6 +162,29 @@ def render(members: list[tuple[str, Any]], ascii: bool, spaced: bool) -> bytes:
     return ("{" + sep.join(parts) + "}").encode("utf-8", "surrogatepass")
 
 
+@st.composite
+def mutated(draw: Any, min_edits: int) -> bytes:
+    """
+    A JSON document (any value, or an object rendered with duplicate keys)
+    with up to three runs of bytes inserted or replaced.
+    """
+    document = draw(
+        st.one_of(json_values, top_members.map(lambda m: render(m, False, True)))
+    )
+    edits = draw(
+        st.lists(
+            st.tuples(st.integers(0, 1 << 16), st.binary(max_size=2), st.booleans()),
+            min_size=min_edits,
+            max_size=3,
+        )
+    )
+    raw = document if isinstance(document, bytes) else json.dumps(document).encode()
+    for at, data, replace in edits:
+        at = at % (len(raw) + 1)
+        raw = raw[:at] + data + raw[at + (len(data) if replace else 0) :]
+    return bytes(raw)
+
+
 class JsonScanTests(SynchronousTestCase):
     """
     The streaming scan agrees with decoding the body whole, never recurses
@@ -263,26 +286,12 @@ class JsonScanTests(SynchronousTestCase):
         self.assertEqual(scanned(raw, block), reference(raw))
 
     @settings(max_examples=300)
-    @given(
-        st.one_of(json_values, top_members.map(lambda m: render(m, False, True))),
-        st.lists(
-            st.tuples(st.integers(0, 1 << 16), st.binary(max_size=2), st.booleans()),
-            min_size=1,
-            max_size=3,
-        ),
-        st.integers(1, 16),
-    )
-    def test_mutated_agrees_with_json(
-        self, document: Any, edits: list[tuple[int, bytes, bool]], block: int
-    ) -> None:
+    @given(mutated(min_edits=1), st.integers(1, 16))
+    def test_mutated_agrees_with_json(self, raw: bytes, block: int) -> None:
         """
         A JSON document with a few bytes inserted or replaced is accepted or
         refused exactly as C{json.loads} accepts or refuses it.
         """
-        raw = document if isinstance(document, bytes) else json.dumps(document).encode()
-        for at, data, replace in edits:
-            at = at % (len(raw) + 1)
-            raw = raw[:at] + data + raw[at + (len(data) if replace else 0) :]
         self.assertEqual(scanned(raw, block), reference(raw))
 
     @given(st.binary(max_size=200), st.integers(1, 16))
@@ -297,20 +306,8 @@ class FastPathTests(SynchronousTestCase):
     """
 
     @settings(max_examples=300)
-    @given(
-        st.one_of(json_values, top_members.map(lambda m: render(m, False, True))),
-        st.lists(
-            st.tuples(st.integers(0, 1 << 16), st.binary(max_size=2), st.booleans()),
-            max_size=3,
-        ),
-    )
-    def test_same_as_scan(
-        self, document: Any, edits: list[tuple[int, bytes, bool]]
-    ) -> None:
-        raw = document if isinstance(document, bytes) else json.dumps(document).encode()
-        for at, data, replace in edits:
-            at = at % (len(raw) + 1)
-            raw = raw[:at] + data + raw[at + (len(data) if replace else 0) :]
+    @given(mutated(min_edits=0))
+    def test_same_as_scan(self, raw: bytes) -> None:
         self.assertEqual(outcome(raw, fast=True), outcome(raw, fast=False))
 
     @given(st.binary(max_size=200))
