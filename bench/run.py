@@ -78,7 +78,7 @@ class Plan:
     wake_rpc_latency: float = 0.2
 
 
-FULL = Plan(rounds=4, round_seconds=1.5, warmup_seconds=0.3)
+FULL = Plan(rounds=4, round_seconds=1.2, warmup_seconds=0.3)
 QUICK = Plan(
     rounds=2,
     round_seconds=0.3,
