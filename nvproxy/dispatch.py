@@ -74,6 +74,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
+from nvproxy.automata import indexed
 from nvproxy.logs import Logger
 
 __all__ = [
@@ -935,7 +936,7 @@ def _build_machine() -> Callable[[_JobCore], _JobInputs]:
     done.upon(_JobInputs.discovery_changed).loop().returns(None)
     done.upon(_JobInputs.stop).loop().returns(None)
 
-    return builder.build()
+    return indexed(builder.build())
 
 
 _JobMachine = _build_machine()

@@ -36,6 +36,8 @@ from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from nvproxy.automata import indexed
+
 __all__ = ["FLUSH_TIMEOUT", "Drainable", "Shutdown"]
 
 log = Logger()
@@ -172,7 +174,7 @@ def _build() -> Callable[[_DrainCore], _DrainInputs]:
     done.upon(_DrainInputs.jobs_done).loop().returns(None)
     done.upon(_DrainInputs.grace_expired).loop().returns(None)
     done.upon(_DrainInputs.force).loop().returns(None)
-    return builder.build()
+    return indexed(builder.build())
 
 
 _DrainMachine = _build()

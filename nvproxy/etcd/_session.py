@@ -36,6 +36,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nvproxy.automata import indexed
 from nvproxy.etcd._client import Compacted, EtcdApi, Watch, WatchBatch
 from nvproxy.logs import describe
 
@@ -464,7 +465,7 @@ live.upon(_Inputs.retry).loop().returns(None)
 lost.upon(_Inputs.start).loop().returns(None)
 lost.upon(_Inputs.connected).loop().returns(None)
 
-SessionMachine = builder.build()
+SessionMachine = indexed(builder.build())
 
 
 class Session:

@@ -19,6 +19,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nvproxy.automata import indexed
 from nvproxy.config import VllmHold, VllmServiceConfig
 from nvproxy.vllm._client import BadAnswer, NoAnswer, SleepApi
 from nvproxy.vllm._errors import (
@@ -1030,5 +1031,5 @@ for _state in (checking, waking, sleeping):
     _state.upon(_Inputs.stop).to(stopped)(_stop_op)
 stopped.upon(_Inputs.stop).loop().returns(None)
 
-_ServiceMachine = builder.build()
+_ServiceMachine = indexed(builder.build())
 del builder
