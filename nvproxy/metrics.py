@@ -234,6 +234,7 @@ class Metrics:
             registry=registry,
         )
         self._engine_children: dict[str, _EngineChildren] = {}
+        self._labelled: dict[tuple[int, tuple[str, ...]], Any] = {}
         if reservations is not None:
             registry.register(_Reservations(reservations))
         if outliers is not None:
@@ -265,6 +266,18 @@ class Metrics:
             )
             self._engine_children[engine] = children
         return children
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """
+        C{metric.labels(*labels)}, looked up once per label set: the
+        client's own lookup validates and converts every label on every
+        call, several times per request.
+        """
+        key = (id(metric), labels)
+        found = self._labelled.get(key)
+        if found is None:
+            found = self._labelled[key] = metric.labels(*labels)
+        return found
 
     def observer(
         self,
@@ -329,7 +342,8 @@ class RequestMetrics:
             self._children.failovers.inc()
         self._leave_node()
         self._node = node_id
-        self._node_gauge = self._metrics.node_inflight.labels(self._engine, node_id)
+        metrics = self._metrics
+        self._node_gauge = metrics.child(metrics.node_inflight, self._engine, node_id)
         self._node_gauge.inc()
 
     def between_attempts(self) -> None:
@@ -340,7 +354,8 @@ class RequestMetrics:
         self._children.ttfb.observe(elapsed)
         self._node = node_id
         if self._model and status < 400:
-            self._metrics.ttft.labels(self._engine, self._model, node_id).observe(
+            metrics = self._metrics
+            metrics.child(metrics.ttft, self._engine, self._model, node_id).observe(
                 elapsed
             )
 
@@ -359,7 +374,8 @@ class RequestMetrics:
         # A committed stream cut short is its own outcome (its workload
         # state stays "completed", spec §1.1).
         label = "truncated" if outcome.reason == "truncated" else outcome.state
-        metrics.requests.labels(
+        metrics.child(
+            metrics.requests,
             engine,
             self._route,
             label,
@@ -368,19 +384,19 @@ class RequestMetrics:
             self._key,
         ).inc()
         elapsed = self._clock.seconds() - self._started
-        metrics.duration.labels(engine, model, node).observe(elapsed)
+        metrics.child(metrics.duration, engine, model, node).observe(elapsed)
         if stats is not None and model:
             if stats.promptTokens is not None:
-                metrics.prompt_tokens.labels(engine, model, node).inc(
+                metrics.child(metrics.prompt_tokens, engine, model, node).inc(
                     stats.promptTokens
                 )
             if stats.completionTokens is not None:
                 estimated = "true" if stats.estimated else "false"
-                metrics.completion_tokens.labels(engine, model, node, estimated).inc(
-                    stats.completionTokens
-                )
+                metrics.child(
+                    metrics.completion_tokens, engine, model, node, estimated
+                ).inc(stats.completionTokens)
             if stats.tokensPerSecond is not None:
-                metrics.tokens_per_second.labels(engine, model, node).observe(
+                metrics.child(metrics.tokens_per_second, engine, model, node).observe(
                     stats.tokensPerSecond
                 )
 
