@@ -167,6 +167,16 @@ class RequestAccounting:
     ) -> list[NodeEntry]:
         shared = self._shared
         by_id = {entry.node_id: entry for entry in entries}
+        if len(by_id) == 1:
+            # One owner: nothing to order; the round's reservation is what
+            # choose() gives one candidate (none when it is pinned).
+            (node,) = by_id
+            if self._reservations is not None and reserve:
+                pinned = shared.pins.get(self._engine.id) == node
+                self._reservations.adopt(
+                    None if pinned else shared.reservations.reserve(node)
+                )
+            return [by_id[node]]
         awake_fn: Callable[[str], bool] | None = None
         if self._awake is not None:
             awake = self._awake

@@ -121,6 +121,28 @@ class PinTests(MemoryProxyTestCase):
         self.assertEqual(_inference(third), [])
 
 
+class SingleOwnerTests(MemoryProxyTestCase):
+    def test_only_owner_reserved_unless_pinned(self) -> None:
+        """
+        The one owner of a model is reserved while its request runs and
+        released after (the shortcut past ordering keeps §6), except when it
+        is pinned: a pinned round reserves nothing.
+        """
+        engine = self.engine("ollama", ["m:latest"])
+        engine.default = Behaviour(latency=0.5, chunks=1)
+        proxy = self.proxy({"ollama": engine.url})
+        url = facade_url(proxy, "ollama") + "/api/generate"
+        for pinned, held in ((False, 1), (True, 0)):
+            if pinned:
+                proxy.ops.select("ollama", "local")
+            d = self.start_post(url, {"model": "m", "stream": False})
+            self.net.advance(0.2)
+            self.assertEqual(proxy.ops.status()["reservations"], {"local": held})
+            code, _, _ = self.drive(d)
+            self.assertEqual(code, 200)
+            self.assertEqual(set(proxy.ops.status()["reservations"].values()), {0})
+
+
 class WorkloadTests(MemoryProxyTestCase):
     def test_events_and_stats(self) -> None:
         """
