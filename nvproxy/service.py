@@ -893,19 +893,35 @@ def makeService(options: usage.Options) -> NvProxy:
         service.ops.reload().addErrback(lambda _: None)
 
     reactor.callWhenRunning(install_signal_handlers, reactor, service.shutdown, on_hup)
-    reactor.callWhenRunning(_freeze_start_up_heap)
+    reactor.callWhenRunning(tune_collector)
     return service
 
 
-def _freeze_start_up_heap() -> None:
+YOUNG_THRESHOLD = 10_000
+"""
+Net container allocations that start a young-generation collection
+(Python's default: 700).
+"""
+
+
+def tune_collector() -> None:
     """
     Move everything built at start-up (modules, config, the service tree)
     out of the cyclic collector's reach: a full collection then walks only
     what requests allocate, so it no longer stalls a request for tens of
     milliseconds (measured: the c=1 p99 tail, docs/performance.rst).
     Nothing frozen is freed, which is what start-up objects want anyway.
+
+    Requests leave no cyclic garbage (tests/test_gc.py), so the young
+    generation is collected at L{YOUNG_THRESHOLD} instead of 700: 32
+    requests in flight alone crossed 700 every few requests (671 young
+    collections, 5 full ones, 5 % of the CPU of a chat run at c=32), and
+    at 10,000 the same run had 3, taking 10 ms in all, with the same c=1
+    latency.  The older generations keep Python's ratios.
     """
     import gc
 
     gc.collect()
     gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_THRESHOLD, middle, old)

@@ -19,7 +19,7 @@ from typing import Any
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.protocol import ProcessProtocol
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 
@@ -127,3 +127,19 @@ class NoCyclicGarbageTests(TestCase):
             self.assertEqual(await self.garbage_per_request(True), Counter())
 
         return ensureDeferred(run())
+
+
+class CollectorTests(SynchronousTestCase):
+    def test_tuned_at_start(self) -> None:
+        """
+        At start the heap built so far is frozen and the young generation's
+        threshold raised; the older generations keep their ratios.
+        """
+        from nvproxy.service import YOUNG_THRESHOLD, tune_collector
+
+        threshold = gc.get_threshold()
+        self.addCleanup(gc.set_threshold, *threshold)
+        self.addCleanup(gc.unfreeze)
+        tune_collector()
+        self.assertGreater(gc.get_freeze_count(), 0)
+        self.assertEqual(gc.get_threshold(), (YOUNG_THRESHOLD, *threshold[1:]))
