@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from datetime import UTC, datetime
 from typing import IO, Final
 
@@ -146,6 +147,33 @@ class Logger(twisted.logger.Logger):
     def debug(self, format: str | None = None, **kwargs: object) -> None:
         if _debug_shown:
             self.emit(LogLevel.debug, format, **kwargs)
+
+    def emit(
+        self, level: LogLevel, format: str | None = None, **kwargs: object
+    ) -> None:
+        """
+        Twisted's C{emit}, with its level check against a set: Twisted's
+        walks the level constants (a generator) on every event.
+        """
+        if level not in _LOG_LEVELS:
+            super().emit(level, format, **kwargs)  # Twisted's own complaint
+            return
+        event = kwargs
+        event.update(
+            log_logger=self,
+            log_level=level,
+            log_namespace=self.namespace,
+            log_source=self.source,
+            log_format=format,
+            log_time=time.time(),
+        )
+        trace = event.get("log_trace")
+        if trace is not None:
+            trace.append((self, self.observer))  # type: ignore[attr-defined]
+        self.observer(event)
+
+
+_LOG_LEVELS: Final = frozenset(LogLevel.iterconstants())
 
 
 def set_level(level: str) -> None:

@@ -262,3 +262,22 @@ class TextLineTests(SynchronousTestCase):
         set_level("debug")
         log.debug("detail")
         self.assertEqual(seen, ["shown", "detail"])
+
+    def test_emit_same_event_as_twisted(self) -> None:
+        """
+        L{logs.Logger.emit} makes the event Twisted's makes, and an invalid
+        level still gets Twisted's complaint.
+        """
+        import twisted.logger
+
+        ours: list[dict[str, object]] = []
+        theirs: list[dict[str, object]] = []
+        logs.Logger(namespace="n", observer=ours.append).warn("x {a}", a=1)
+        twisted.logger.Logger(namespace="n", observer=theirs.append).warn("x {a}", a=1)
+        for event in ours + theirs:
+            self.assertIsInstance(event.pop("log_time"), float)
+            event.pop("log_logger")
+        self.assertEqual(ours, theirs)
+        complaints: list[dict[str, object]] = []
+        logs.Logger(observer=complaints.append).emit("loud")  # type: ignore[arg-type]
+        self.assertIn("invalid log level", str(complaints[0]["log_format"]))

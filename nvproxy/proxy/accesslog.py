@@ -25,9 +25,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 from attrs import define
-from twisted.logger import Logger
 
-from nvproxy.logs import clip
+from nvproxy.logs import Logger, clip
 from nvproxy.proxy.requestid import request_id
 
 __all__ = ["ACCESS_FIELDS", "AccessRecord", "access_of", "emit"]
@@ -95,18 +94,18 @@ def emit(
     """
     record = access_of(request)
     status = request.code if request.startedWriting else None
-    fields: dict[str, object] = {
-        "method": request.method.decode("latin-1"),
-        "path": clip(request.path.decode("latin-1")),
-        "status": status,
-        "engine": record.engine,
-        "model": record.model,
-        "node": record.node,
-        "attempts": record.attempts,
-        "ttfb_ms": _ms(received_at, first_byte_at),
-        "duration_ms": _ms(received_at, ended_at),
-        "bytes": request.sentLength,
-        "outcome": "finished" if completed else "client_gone",
-        "request_id": request_id(request),
-    }
-    log.info(_FORMAT, **{name: fields.get(name) for name in ACCESS_FIELDS})
+    log.info(
+        _FORMAT,
+        method=request.method.decode("latin-1"),
+        path=clip(request.path.decode("latin-1")),
+        status=status,
+        engine=record.engine,
+        model=record.model,
+        node=record.node,
+        attempts=record.attempts,
+        ttfb_ms=_ms(received_at, first_byte_at),
+        duration_ms=_ms(received_at, ended_at),
+        bytes=request.sentLength,
+        outcome="finished" if completed else "client_gone",
+        request_id=request_id(request),
+    )
