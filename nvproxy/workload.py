@@ -63,11 +63,15 @@ ERRORED = "workload:errored"
 TERMINAL = frozenset({COMPLETED, ERRORED})
 
 
-@frozen
+@frozen(slots=False)
 class WorkloadInfo:
     """
     The ``workloadInfo`` of one event, named exactly as on the wire. Times are
     milliseconds since the epoch (from the injected clock).
+
+    Not slotted: each event's record is a copy of the last with a few fields
+    changed (:func:`_changed`), and a dict copies at C speed, three times
+    faster than ``attrs.evolve`` through the frozen ``__init__``.
     """
 
     id: str
@@ -122,6 +126,15 @@ class WorkloadInfo:
             if stats:
                 out["stats"] = stats
         return out
+
+
+def _changed(info: WorkloadInfo, changes: dict[str, Any]) -> WorkloadInfo:
+    """``attrs.evolve(info, **changes)`` for the fields of :class:`WorkloadInfo`."""
+    new: WorkloadInfo = object.__new__(WorkloadInfo)
+    state = new.__dict__
+    state.update(info.__dict__)
+    state.update(changes)
+    return new
 
 
 def notification(method: str, info: WorkloadInfo) -> dict[str, Any]:
@@ -220,7 +233,8 @@ class WorkloadRecorder:
     def _emit(self, method: str, info: WorkloadInfo, **changes: Any) -> WorkloadInfo:
         """Send C{info} with C{changes} and the next C{seq} to every sink."""
         self._seq += 1
-        info = attrs.evolve(info, seq=self._seq, **changes)
+        changes["seq"] = self._seq
+        info = _changed(info, changes)
         for sink in self._sinks:
             try:
                 sink.emit(method, info)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from typing import Any
 
 from attrs import frozen
 from hypothesis import given, settings
@@ -413,3 +414,43 @@ class RingSinkTests(SynchronousTestCase):
 
     def test_bad_maxlen(self) -> None:
         self.assertRaises(ValueError, RingSink, 0)
+
+
+class ChangedTests(SynchronousTestCase):
+    @given(
+        st.dictionaries(
+            st.sampled_from(
+                ["state", "scheduledOn", "startedAt", "completedAt", "error", "seq"]
+            ),
+            st.one_of(st.none(), st.integers(0, 10**6), st.text(max_size=5)),
+        )
+    )
+    def test_same_as_evolve(self, changes: dict[str, Any]) -> None:
+        """The fast copy equals attrs.evolve, hashes alike, and stays frozen."""
+        import attrs
+
+        from nvproxy.workload import WorkloadInfo, _changed
+
+        info = WorkloadInfo(
+            id="1",
+            model="m",
+            engine="e",
+            runId="r",
+            state="queued",
+            originatedFrom="",
+            scheduledOn=None,
+            createdAt=1,
+            startedAt=None,
+            completedAt=None,
+            error=None,
+            requesterId=None,
+            seq=0,
+        )
+        fast = _changed(info, dict(changes))
+        slow = attrs.evolve(info, **changes)
+        self.assertEqual(fast, slow)
+        self.assertEqual(hash(fast), hash(slow))
+        self.assertEqual(fast.to_json(), slow.to_json())
+        self.assertEqual(info.state, "queued")  # the original is untouched
+        with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+            fast.state = "running"  # type: ignore[misc]
