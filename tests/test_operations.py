@@ -271,6 +271,7 @@ async def _ctl(daemon: _Daemon | None, *argv: str) -> tuple[int, str, str]:
 
 class ReloadTests(TestCase):
     timeout = 60
+    maxDiff = None
 
     async def test_sighup(self) -> None:
         """
