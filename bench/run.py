@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
-import treq
 from attrs import frozen
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
@@ -35,7 +34,7 @@ from bench import native, procs, refs, report
 from bench.load import LoadGenerator, Samples, Workload, percentile, perf_now
 from bench.native import NativeLoad
 from bench.report import DIRECT, NGINX, NVPROXY, RPR
-from nvproxy.testing.harness import NotHealthy, free_port, wait_healthy
+from nvproxy.testing.harness import Client, NotHealthy, free_port, wait_healthy
 
 MODEL = "bench-model"
 STREAM_CHUNKS = 200
@@ -864,12 +863,6 @@ WAKE_TARGET = 0.050
 """Seconds a woken request's first byte may come after the scripted wake."""
 
 
-async def _admin_post(url: str) -> int:
-    response = await treq.post(url, timeout=30, persistent=False)
-    await treq.content(response)
-    return int(response.code)
-
-
 async def scenario_wake(ctx: Context) -> Result:
     """
     A request arriving at a sleeping vLLM service: the time from sending it
@@ -923,6 +916,7 @@ async def scenario_wake(ctx: Context) -> Result:
         except NotHealthy as e:
             raise procs.BenchError(f"wake-nvproxy not ready: {e}") from None
         load = LoadGenerator(ctx.reactor, perf_now, 1, timeout=30.0)
+        admin = Client(ctx.reactor, persistent=False)
         body = Workload(MODEL, stream=True, api="openai").body()
         chat = "/v1/chat/completions"
         awake: dict[str, Samples] = {}
@@ -934,8 +928,8 @@ async def scenario_wake(ctx: Context) -> Result:
         for depth in (1, 2):
             woken = Samples()
             for _ in range(plan.wake_rounds):
-                code = await _admin_post(
-                    f"{proxy.admin}/admin/sleep/bench?level={depth}"
+                code, _, _ = await admin.request(
+                    "POST", f"{proxy.admin}/admin/sleep/bench?level={depth}"
                 )
                 if code != 200:
                     result.problems.append(f"wake: sleep at level {depth}: {code}")
@@ -965,6 +959,7 @@ async def scenario_wake(ctx: Context) -> Result:
             f" {percentile(awake['nvproxy'].ttfbs, 50) * 1e3:.1f} ms through nvproxy"
         )
         await load.close()
+        await admin.close()
     finally:
         await _stop_all(ctx, running)
     for note in result.notes:

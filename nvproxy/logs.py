@@ -13,6 +13,7 @@ so the output is plain JSON Lines.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -96,17 +97,14 @@ def _message(event: LogEvent) -> str:
     return formatEvent(event)
 
 
-_stamp: list[object] = [None, ""]
+@functools.lru_cache(maxsize=1)
+def _second_text(second: int) -> str:
+    return formatTime(second)
 
 
 def _time_text(when: float | None) -> str:
     """Twisted's C{formatTime}, computed once per second of log output."""
-    if when is None:
-        return formatTime(when)
-    second = int(when)
-    if _stamp[0] != second:
-        _stamp[:] = [second, formatTime(second)]
-    return str(_stamp[1])
+    return formatTime(when) if when is None else _second_text(int(when))
 
 
 def event_as_text_line(event: LogEvent) -> str | None:
