@@ -59,7 +59,6 @@ _REPORT_KEYS = (
     "tokens_predicted",
     "tokens_evaluated",
 )
-_REPORT_KEY_BYTES = tuple(key.encode() for key in _REPORT_KEYS)
 # The last occurrence of a report key as an object key: the opening quote is not
 # escaped (so it is not inside a string value of the body).
 _KEY = re.compile(r'(?<!\\)"(' + "|".join(_REPORT_KEYS) + r')"\s*:\s*')
@@ -216,7 +215,8 @@ class StatsMeter:
             # One document larger than the window (a long non-streaming answer, or
             # llama.cpp's final event carrying the prompt): read the report keys
             # from its end.
-            report = _report(_scan_keys(window))
+            if any(win.found(name) for name in _KEY_NAMES):
+                report = _report(_scan_keys(window))
         estimated = False
         if report is None or report.completion is None:
             counted = self._count(_tally(win), sse)
@@ -269,16 +269,6 @@ class StatsMeter:
         return tokens / span if span > 0 else None
 
 
-def _lines(window: bytes, whole: bool) -> Iterator[bytes]:
-    lines = window.split(b"\n")
-    if not whole:
-        lines = lines[1:]  # the first line in a trimmed window may be partial
-    for line in lines:
-        stripped = line.strip()
-        if stripped:
-            yield stripped
-
-
 def _record(line: bytes) -> object:
     """One non-blank line of the window decoded (C{None}: not a record)."""
     if line.startswith(b"data:"):
@@ -290,43 +280,142 @@ def _record(line: bytes) -> object:
     return _loads(line)
 
 
+# What the window is searched for, each once: where a line can matter, a
+# search finds one of these in it.  Each is led by a literal that is rare in
+# an engine's JSON (re finds a pattern's literal prefix at C speed, but one
+# alternation of them all is tried at every byte), and together they are a
+# superset of what the line checks below look for.
+_ESCAPE = re.compile(rb"\\u")
+_KEY_NAMES = tuple(
+    re.compile(needle) for needle in (rb"usage", rb"timings", rb"eval_", rb"tokens_")
+)
+"""The report keys' names (C{eval_} and C{tokens_} stand for two and three)."""
+_MAY_REPORT = (_ESCAPE, *_KEY_NAMES)
+"""In a line that can carry a report: a report key's name, or an escape
+(which could spell one)."""
+_MAY_TALLY = (
+    re.compile(rb"\[DONE\]"),
+    _ESCAPE,
+    _KEY_NAMES[0],
+    re.compile(rb'stop"'),
+    re.compile(rb'_reason"(?!:null)'),
+)
+"""In a line that can change a L{_Tally}: a C{[DONE]}, or what
+L{_may_count} looks for (an escape, a usage, a C{"stop"}, a C{finish_reason}
+that is not literally null)."""
+
+_Span = tuple[int, int]
+
+
 class _Window:
     """
-    The tail window, each line decoded at most once: the walk back for the
-    report and, failing one, the count of every record share the decoding.
+    The tail window, its lines found and decoded only where a search of the
+    whole window says one can matter: an OpenAI stream's window holds a
+    hundred events, of which the report and the tally need two or three.
+
+    A line is a span C{(start, end)} of the window between newlines; blank
+    lines are skipped, and so is the first line of a trimmed window (it may
+    be partial).
     """
 
     def __init__(self, window: bytes, whole: bool) -> None:
         self.window = window
         self.whole = whole
         self.document: object = _loads(window) if whole and window else None
-        self.lines = list(_lines(window, whole))
+        first = window.find(b"\n")
+        self._start = 0 if whole else (len(window) if first < 0 else first + 1)
         self._values: dict[int, object] = {}
+        self._found: dict[re.Pattern[bytes], list[int]] = {}
 
-    def value(self, index: int) -> object:
-        """Line C{index} decoded (L{_record})."""
-        if index not in self._values:
-            self._values[index] = _record(self.lines[index])
-        return self._values[index]
+    def line(self, span: _Span) -> bytes:
+        """The line at C{span}, stripped."""
+        return self.window[span[0] : span[1]].strip()
+
+    def value(self, span: _Span) -> object:
+        """The line at C{span} decoded (L{_record}), at most once."""
+        start = span[0]
+        if start not in self._values:
+            self._values[start] = _record(self.line(span))
+        return self._values[start]
+
+    def found(self, pattern: re.Pattern[bytes]) -> list[int]:
+        """Where C{pattern} matches in the whole window (searched once)."""
+        where = self._found.get(pattern)
+        if where is None:
+            if pattern is _ESCAPE and b"\\" not in self.window:
+                where = []  # one memchr, where the search is a slow scan
+            else:
+                where = [match.start() for match in pattern.finditer(self.window)]
+            self._found[pattern] = where
+        return where
+
+    def matching(self, patterns: tuple[re.Pattern[bytes], ...]) -> list[_Span]:
+        """The lines with a match of any of C{patterns} in them, in order."""
+        window, start = self.window, self._start
+        found = sorted(at for pattern in patterns for at in self.found(pattern))
+        spans: list[_Span] = []
+        end = start
+        for at in found:
+            if at < start or (spans and at < end):
+                continue  # in the partial first line, or a line already taken
+            begin = window.rfind(b"\n", start, at) + 1 or start
+            end = window.find(b"\n", at)
+            if end < 0:
+                end = len(window)
+            spans.append((begin, end))
+        return spans
+
+    def backwards(self) -> Iterator[_Span]:
+        """Every non-blank line, from the last."""
+        window, start = self.window, self._start
+        end = len(window)
+        while end >= start:
+            newline = window.rfind(b"\n", start, end)
+            begin = newline + 1 if newline >= 0 else start
+            if window[begin:end].strip():
+                yield begin, end
+            if newline < 0:
+                return
+            end = newline
+
+
+_LAST_LINES = 4
+"""How many lines from the end are looked at one by one before the window is
+searched: an engine's report is in its last event or the one before."""
 
 
 def _last_report(win: _Window) -> _Report | None:
     """
-    The report of the last record carrying one, decoding only from the
-    window's end back to that record (the engine's report is the last or
-    next-to-last event), and only lines that could carry one.
+    The report of the last record carrying one: the last few lines are
+    looked at one by one (an engine's report is the last or next-to-last
+    event), then the rest of the window is searched for lines that could
+    carry one; only those are decoded.
     """
     if isinstance(win.document, dict):
         return _report(win.document)
-    for index in range(len(win.lines) - 1, -1, -1):
-        if not _may_report(win.lines[index]):
-            continue
-        value = win.value(index)
-        if isinstance(value, dict):
-            report = _report(value)
+    checked = len(win.window) + 1  # lines from here on have been looked at
+    for count, span in enumerate(win.backwards()):
+        if count == _LAST_LINES:
+            break
+        checked = span[0]
+        line = win.line(span)
+        if any(pattern.search(line) for pattern in _MAY_REPORT):
+            report = _line_report(win, span)
+            if report is not None:
+                return report
+    else:
+        return None  # every line was looked at
+    for span in reversed(win.matching(_MAY_REPORT)):
+        if span[0] < checked:
+            report = _line_report(win, span)
             if report is not None:
                 return report
     return None
+
+
+def _line_report(win: _Window, span: _Span) -> _Report | None:
+    value = win.value(span)
+    return _report(value) if isinstance(value, dict) else None
 
 
 @frozen
@@ -337,14 +426,6 @@ class _Tally:
     report_only: int  # report-only events (choices: [] and a usage)
     tokenless: int  # finishing events with no output (L{_finishing})
     last_done: bool  # the last record has "done": true (Ollama's final)
-
-
-def _may_report(line: bytes) -> bool:
-    """
-    Whether the decoded line could carry a report: only if a report key's
-    name is in it (or an escape, which could spell one).
-    """
-    return b"\\u" in line or any(key in line for key in _REPORT_KEY_BYTES)
 
 
 def _may_count(line: bytes) -> bool:
@@ -374,21 +455,22 @@ def _tally(win: _Window) -> _Tally:
         report_only, tokenless = _counted(win.document)
         return _Tally(0, report_only, tokenless, win.document.get("done") is True)
     done = report_only = tokenless = 0
-    last: int | None = None
-    for index, line in enumerate(win.lines):
+    for span in win.matching(_MAY_TALLY):
+        line = win.line(span)
         if line.startswith(b"data:") and line[5:].strip() == _DONE:
             done += 1
         elif _may_count(line):
-            value = win.value(index)
+            value = win.value(span)
             if isinstance(value, dict):
                 only, finishing = _counted(value)
                 report_only += only
                 tokenless += finishing
-    for index in range(len(win.lines) - 1, -1, -1):
-        if isinstance(win.value(index), dict):
-            last = index
+    last_value = None
+    for span in win.backwards():
+        value = win.value(span)
+        if isinstance(value, dict):
+            last_value = value
             break
-    last_value = win.value(last) if last is not None else None
     last_done = isinstance(last_value, dict) and last_value.get("done") is True
     return _Tally(done, report_only, tokenless, last_done)
 
@@ -461,10 +543,9 @@ def _loads(data: bytes) -> object:
 def _scan_keys(window: bytes) -> dict[str, Any]:
     """
     The report keys found in the tail of one large JSON document, each the last
-    occurrence whose value decodes.
+    occurrence whose value decodes.  The caller looks for the keys' names
+    first (L{_KEY_NAMES}), which is far cheaper when there are none.
     """
-    if not any(key in window for key in _REPORT_KEY_BYTES):
-        return {}  # what the search below would find, without decoding
     text = window.decode("utf-8", "replace")
     decoder = json.JSONDecoder()
     found: dict[str, Any] = {}

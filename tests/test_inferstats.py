@@ -538,6 +538,11 @@ _LINES = st.sampled_from(
         b'{"\\u0075sage":{"completion_tokens":4}}',
         b'{"done":true}',
         b'data: {"choices":[],"usage":null}',
+        b"  data:[DONE]\r",
+        b'\t{"done":true,"eval_count":2}\r',
+        b" \r",
+        b'data: {"choices":[{"delta":{"content":"[DONE]"},"finish_reason":null}]}',
+        b'{"done":true} {"usage":{"completion_tokens":1}}',
     ]
 )
 
@@ -557,7 +562,12 @@ def _decode_all(window: bytes, whole: bool) -> tuple[Any, Any]:
                 0, only, tokenless, body.get("done") is True
             )
     records, done = [], 0
-    for line in inferstats._lines(window, whole):
+    lines = window.split(b"\n")
+    if not whole:
+        lines = lines[1:]  # the first line in a trimmed window may be partial
+    for line in (line.strip() for line in lines):
+        if not line:
+            continue
         if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
             done += 1
             continue
@@ -580,10 +590,29 @@ def _decode_all(window: bytes, whole: bool) -> tuple[Any, Any]:
 
 
 class LastReportTests(SynchronousTestCase):
+    def test_key_names_cover_every_report_key(self) -> None:
+        """
+        Every report key is found by the window's search for key names, so
+        a key added later cannot be skipped.
+        """
+        from nvproxy import inferstats
+
+        for key in inferstats._REPORT_KEYS:
+            with self.subTest(key=key):
+                line = b'{"' + key.encode() + b'":1}'
+                self.assertTrue(
+                    any(name.search(line) for name in inferstats._KEY_NAMES)
+                )
+
     @settings(max_examples=500)
-    @given(st.lists(_LINES, max_size=12), st.booleans(), st.booleans())
+    @given(
+        st.lists(_LINES, max_size=12),
+        st.booleans(),
+        st.booleans(),
+        st.integers(min_value=0, max_value=80),
+    )
     def test_same_as_decoding_every_record(
-        self, lines: list[bytes], whole: bool, one_document: bool
+        self, lines: list[bytes], whole: bool, one_document: bool, cut: int
     ) -> None:
         """
         The report and the counts the meter finds by decoding back from the
@@ -595,6 +624,8 @@ class LastReportTests(SynchronousTestCase):
         window = b"\n".join(lines) + b"\n"
         if one_document and lines:
             window = lines[0]
+        if not whole:
+            window = window[cut:]  # a trimmed window starts anywhere
         report, tally = _decode_all(window, whole)
         win = inferstats._Window(window, whole)
         self.assertEqual(inferstats._last_report(win), report)
