@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvproxy.proxy.pathnorm import (
+    CACHED_PATH,
     HIDDEN_VLLM,
     HIDDEN_VLLM_PREFIXES,
     MAX_PATH_BYTES,
@@ -90,6 +91,19 @@ class NormalizePathTests(SynchronousTestCase):
         }
         for raw, expected in cases.items():
             self.assertEqual(match_key(raw), expected, raw)
+
+    def test_long_paths_as_short_ones(self) -> None:
+        """
+        A path longer than those whose forms are kept is normalized and
+        keyed the same way, and asking twice gives the same answer.
+        """
+        segment = b"/Seg%41;p"
+        for repeat in (1, CACHED_PATH // len(segment) + 1):
+            raw = segment * repeat + b"/../x/"
+            self.assertEqual(normalize_path(raw), "/SegA;p" * (repeat - 1) + "/x/")
+            self.assertEqual(match_key(raw), "/sega" * (repeat - 1) + "/x")
+            self.assertEqual(normalize_path(raw), normalize_path(bytes(raw)))
+        self.assertGreater(len(raw), CACHED_PATH)
 
 
 class IsHiddenTests(SynchronousTestCase):

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvproxy.proxy.requestid import valid
+from nvproxy.proxy import requestid
+from nvproxy.proxy.requestid import new_id, valid
 from nvproxy.testing.fakeengine import Behaviour
 from nvproxy.testing.harness import facade_url, nvproxyctl
 from tests.test_forwarding import MemoryProxyTestCase, ProxyTestCase
@@ -34,6 +35,19 @@ class ValidTests(SynchronousTestCase):
     def test_matches_the_rule(self, value: bytes) -> None:
         expected = 1 <= len(value) <= 128 and all(0x20 <= b <= 0x7E for b in value)
         self.assertEqual(valid(value), expected)
+
+
+class NewIdTests(SynchronousTestCase):
+    def test_fresh_past_the_pool(self) -> None:
+        """
+        Ids are 32 lower-case hex digits and never repeat, also across
+        refills of the pool of randomness they are cut from.
+        """
+        count = 3 * requestid._POOL_IDS + 7
+        ids = [new_id() for _ in range(count)]
+        self.assertEqual(len(set(ids)), count)
+        for rid in ids:
+            self.assertIsNotNone(re.fullmatch("[0-9a-f]{32}", rid), rid)
 
 
 class RequestIdTests(MemoryProxyTestCase):

@@ -176,6 +176,12 @@ def normalize_path(raw: bytes) -> str | None:
     ended with one (``/`` itself stays ``/``).  Normalizing a normalized path
     returns it unchanged.
     """
+    if len(raw) <= CACHED_PATH and type(raw) is bytes:
+        return _normalized(raw)
+    return _normalize(raw)
+
+
+def _normalize(raw: bytes) -> str | None:
     text = _decode(raw)
     if text is None:
         return None
@@ -195,11 +201,24 @@ def match_key(raw: bytes) -> str | None:
     segment before dot segments are resolved, the result is case-folded, and
     there is no trailing slash (except for the root, ``/``).
     """
+    if len(raw) <= CACHED_PATH and type(raw) is bytes:
+        return _matched(raw)
+    return _match(raw)
+
+
+def _match(raw: bytes) -> str | None:
     text = _decode(raw)
     if text is None:
         return None
     segments = _resolve(part.split(";", 1)[0] for part in text.split("/"))
     return ("/" + "/".join(segments)).casefold()
+
+
+CACHED_PATH = 256
+"""Paths up to this many bytes have their forms kept (a facade sees the
+same few routes over and over, and each request asks several times)."""
+_normalized = lru_cache(maxsize=1024)(_normalize)
+_matched = lru_cache(maxsize=1024)(_match)
 
 
 @lru_cache(maxsize=32)

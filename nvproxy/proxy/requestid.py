@@ -13,8 +13,8 @@ headers and pass through untouched like any other.
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
 from typing import Any
 
 __all__ = ["HEADER", "assign", "request_id", "valid"]
@@ -30,9 +30,20 @@ def valid(value: bytes) -> bool:
     return _VALID.fullmatch(value) is not None
 
 
+_POOL_IDS = 256
+_pool: list[bytes] = []
+
+
 def new_id() -> str:
-    """A fresh id: 32 hex digits of randomness (no clock, no node)."""
-    return secrets.token_hex(16)
+    """
+    A fresh id: 32 hex digits of randomness (no clock, no node).  The
+    operating system's randomness is drawn for L{_POOL_IDS} ids at a time:
+    one system call each was a noticeable part of a request's cost.
+    """
+    if not _pool:
+        block = os.urandom(16 * _POOL_IDS)
+        _pool.extend(block[i : i + 16] for i in range(0, len(block), 16))
+    return _pool.pop().hex()
 
 
 def assign(request: Any) -> str:
