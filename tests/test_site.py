@@ -102,6 +102,31 @@ class _Connection:
         assert int(headers[b"content-length"]) == len(body), (headers, body)
 
 
+class _CountingTransport(StringTransport):
+    asked = 0
+
+    def getHost(self) -> Any:
+        self.asked += 1
+        return super().getHost()
+
+
+class HostTests(SynchronousTestCase):
+    def test_asked_once_per_connection(self) -> None:
+        """
+        Every request on a connection sees the connection's own address,
+        asked of the transport once (each ask is a system call).
+        """
+        site = _facade_site(Clock())
+        transport = _CountingTransport()
+        channel: Any = site.buildProtocol(None)
+        channel.makeConnection(transport)
+        self.addCleanup(channel.connectionLost, Failure(ConnectionDone()))
+        channel.dataReceived(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+        self.assertEqual(transport.value().count(b"HTTP/1.1 200"), 3)
+        self.assertEqual(transport.asked, 1)
+        self.assertEqual(channel.getHost(), transport.getHost())
+
+
 class HeaderDeadlineTests(SynchronousTestCase):
     """
     Request line and headers must be complete within C{header_timeout} of

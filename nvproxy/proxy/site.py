@@ -186,10 +186,19 @@ class _GuardedChannel(HTTPChannel):
     _head_fields = 0
     _deadline: IDelayedCall | None = None
     _refused = False
+    _host: IAddress | None = None
 
     def connectionMade(self) -> None:
         HTTPChannel.connectionMade(self)
         self._arm_deadline()
+
+    def getHost(self) -> IAddress:
+        # twisted.web asks for every request, and each ask is a getsockname
+        # system call; a connection's own address does not change.
+        host = self._host
+        if host is None:
+            host = self._host = HTTPChannel.getHost(self)
+        return host
 
     def dataReceived(self, data: bytes) -> None:
         if self._refused:
