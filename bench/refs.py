@@ -4,6 +4,9 @@ process in front of the same engine:
 
 * C{rpr}: Twisted's stock C{ReverseProxyResource} (L{bench.rpr}), the floor
   for a Twisted proxy;
+* C{agent}: a bare C{Agent} proxy on a persistent pool (L{bench.agentfloor}),
+  the floor of the stack nvproxy's data path is built from (only in the
+  C{floor} scenario);
 * C{nginx}: Debian's nginx with C{proxy_buffering off}, HTTP/1.1 and a
   keep-alive pool to the engine, single process (C{master_process off}),
   with a config, error log and temp dirs generated in the work dir.  When
@@ -33,10 +36,23 @@ async def start_rpr(
     reactor: Any, workdir: Path, name: str, upstream: str
 ) -> tuple[procs.Proc, str]:
     """Start L{bench.rpr} in front of C{upstream} (C{http://HOST:PORT})."""
+    return await _start_module(reactor, workdir, name, "bench.rpr", upstream)
+
+
+async def start_agent_floor(
+    reactor: Any, workdir: Path, name: str, upstream: str
+) -> tuple[procs.Proc, str]:
+    """Start L{bench.agentfloor} in front of C{upstream} (C{http://HOST:PORT})."""
+    return await _start_module(reactor, workdir, name, "bench.agentfloor", upstream)
+
+
+async def _start_module(
+    reactor: Any, workdir: Path, name: str, module: str, upstream: str
+) -> tuple[procs.Proc, str]:
     argv = [
         sys.executable,
         "-m",
-        "bench.rpr",
+        module,
         "--port",
         "0",
         "--upstream",

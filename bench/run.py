@@ -353,7 +353,14 @@ async def _stop_all(ctx: Context, running: Sequence[procs.Proc]) -> None:
 # -- scenarios ---------------------------------------------------------------------
 
 
-LABELS = {DIRECT: "direct", RPR: "Twisted RPR", NGINX: "nginx", NVPROXY: "nvproxy"}
+AGENT = "agent"
+LABELS = {
+    DIRECT: "direct",
+    RPR: "Twisted RPR",
+    NGINX: "nginx",
+    AGENT: "Agent floor",
+    NVPROXY: "nvproxy",
+}
 
 
 @frozen
@@ -397,11 +404,14 @@ async def _with_references(
     delays: bool = False,
     one_request_each: bool = False,
     warmup_concurrency: int | None = None,
+    floor: bool = False,
 ) -> Result:
     """
     The same engine reached directly, through Twisted's ReverseProxyResource,
     through nginx (when installed) and through nvproxy, in the same rounds.
     With C{one_request_each}, every connection sends one request per round.
+    With C{floor}, the bare Agent proxy (L{bench.agentfloor}) is measured
+    too, and nginx is not.
     """
     running: list[procs.Proc] = []
     result = Result()
@@ -420,14 +430,21 @@ async def _with_references(
             Path_(DIRECT, engine_url, proxied=False),
             Path_(RPR, rpr_url, proxied=True, target=rpr),
         ]
-        nginx = await refs.start_nginx(
-            ctx.reactor, ctx.workdir, f"{scenario}-nginx", engine_url
-        )
-        if nginx is None:
-            result.notes.append(f"{scenario}: nginx skipped: no nginx binary found")
+        if floor:
+            agent, agent_url = await refs.start_agent_floor(
+                ctx.reactor, ctx.workdir, f"{scenario}-agent", engine_url
+            )
+            running.append(agent)
+            paths.append(Path_(AGENT, agent_url, proxied=True, target=agent))
         else:
-            running.append(nginx[0])
-            paths.append(Path_(NGINX, nginx[1], proxied=True, target=nginx[0]))
+            nginx = await refs.start_nginx(
+                ctx.reactor, ctx.workdir, f"{scenario}-nginx", engine_url
+            )
+            if nginx is None:
+                result.notes.append(f"{scenario}: nginx skipped: no nginx binary found")
+            else:
+                running.append(nginx[0])
+                paths.append(Path_(NGINX, nginx[1], proxied=True, target=nginx[0]))
         paths.append(Path_(NVPROXY, proxy.facade, proxied=True))
         for c in concurrencies:
             rows = await compare(
@@ -483,6 +500,62 @@ async def scenario_stream_sse(ctx: Context) -> Result:
         EngineSpec(),
         ctx.plan.stream_concurrencies,
     )
+
+
+async def scenario_floor(ctx: Context) -> Result:
+    """
+    Where nvproxy's CPU goes: chat (c=1, c=32) and both stream dialects
+    (c=32) through RPR, the bare Agent proxy and nvproxy, in the same
+    rounds.  Not in the default run (it repeats what chat and stream
+    measure); C{--only floor}.
+    """
+    result = Result()
+    for scenario, workload, concurrencies in (
+        ("floor-chat", Workload(MODEL, stream=False), ctx.plan.concurrencies),
+        (
+            "floor-stream",
+            Workload(MODEL, stream=True, tokens=STREAM_CHUNKS),
+            ctx.plan.stream_concurrencies,
+        ),
+        (
+            "floor-sse",
+            Workload(MODEL, stream=True, api="openai", tokens=STREAM_CHUNKS),
+            ctx.plan.stream_concurrencies,
+        ),
+    ):
+        part = await _with_references(
+            ctx, scenario, workload, EngineSpec(), concurrencies, floor=True
+        )
+        result.rows += part.rows
+        result.notes += part.notes
+    for note in floor_notes(result.rows):
+        ctx.out.write(f"  {note}\n")
+        result.notes.append(note)
+    return result
+
+
+def floor_notes(rows: Sequence[Row]) -> list[str]:
+    """nvproxy's proxy CPU per request against the Agent floor's and RPR's."""
+    cpu = {
+        (r.scenario, r.concurrency, r.path): r.proxy_cpu_per_request
+        for r in rows
+        if r.proxy_cpu_per_request
+    }
+    notes = []
+    for scenario, c, path in cpu:
+        if path != NVPROXY or (scenario, c, AGENT) not in cpu:
+            continue
+        ours, floor = cpu[scenario, c, NVPROXY], cpu[scenario, c, AGENT]
+        text = (
+            f"{scenario} c={c}: nvproxy {ours * 1e6:.0f} us/request ="
+            f" {ours / floor:.2f}x the Agent floor ({floor * 1e6:.0f} us);"
+            f" nvproxy's own work {(ours - floor) * 1e6:.0f} us"
+        )
+        rpr = cpu.get((scenario, c, RPR))
+        if rpr is not None:
+            text += f"; Agent floor/RPR {floor / rpr:.2f}, nvproxy/RPR {ours / rpr:.2f}"
+        notes.append(text)
+    return notes
 
 
 async def scenario_paced(ctx: Context) -> Result:
@@ -978,6 +1051,10 @@ SCENARIOS: dict[str, Callable[[Context], Awaitable[Result]]] = {
     "mtls": scenario_mtls,
     "wake": scenario_wake,
 }
+#: scenarios run only when named with --only
+EXTRA_SCENARIOS: dict[str, Callable[[Context], Awaitable[Result]]] = {
+    "floor": scenario_floor,
+}
 
 
 # -- report ------------------------------------------------------------------------
@@ -1178,9 +1255,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         action="append",
-        choices=sorted(SCENARIOS),
+        choices=sorted({*SCENARIOS, *EXTRA_SCENARIOS}),
         metavar="NAME",
-        help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}",
+        help="run only this scenario (repeatable): "
+        f"{', '.join(SCENARIOS)}; not in the default run:"
+        f" {', '.join(EXTRA_SCENARIOS)}",
     )
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     parser.add_argument(
@@ -1237,7 +1316,7 @@ async def run(reactor: Any, args: argparse.Namespace, out: TextIO) -> int:
             out.flush()
             began = perf_now()
             try:
-                result = await SCENARIOS[name](ctx)
+                result = await {**SCENARIOS, **EXTRA_SCENARIOS}[name](ctx)
             except procs.BenchError as e:
                 out.write(f"  {name} failed: {e}\n")
                 failed = True

@@ -147,6 +147,13 @@ class NativeProgramTests(TestCase):
         """
         await self._through(refs.start_rpr)
 
+    async def test_through_agent_floor(self) -> None:
+        """
+        The bare Agent proxy in front of the engine: answers relayed as
+        they come, over reused upstream connections.
+        """
+        await self._through(refs.start_agent_floor)
+
     async def test_through_nginx(self) -> None:
         """nginx with the generated config in front of the engine."""
         await self._through(refs.start_nginx)
@@ -194,6 +201,33 @@ def _chat_rows() -> list[run.Row]:
 
 class ReportTests(SynchronousTestCase):
     """The tables and notes of C{bench.run} from fixed numbers."""
+
+    def test_floor_notes(self) -> None:
+        """
+        The floor scenario's note puts nvproxy's CPU per request against
+        the bare Agent proxy's and RPR's of the same comparison; the floor
+        rows stay out of the summary figures.
+        """
+        rows = [
+            _row("direct", scenario="floor-chat"),
+            _row("rpr", scenario="floor-chat", proxy_cpu_per_request=0.0008),
+            _row("agent", scenario="floor-chat", proxy_cpu_per_request=0.0006),
+            _row("nvproxy", scenario="floor-chat", proxy_cpu_per_request=0.0009),
+            _row("nvproxy", scenario="floor-sse", proxy_cpu_per_request=0.001),
+        ]
+        self.assertEqual(
+            run.floor_notes(rows),
+            [
+                "floor-chat c=32: nvproxy 900 us/request = 1.50x the Agent floor"
+                " (600 us); nvproxy's own work 300 us; Agent floor/RPR 0.75,"
+                " nvproxy/RPR 1.12"
+            ],
+        )
+        self.assertEqual(report.figures(rows), [])
+        agent = [line for line in run.table(rows).splitlines() if " agent " in line]
+        self.assertEqual(len(agent), 1)
+        self.assertIn(" 600 ", agent[0])
+        self.assertIn(" 0.75 ", agent[0])  # its CPU against RPR's
 
     def test_figures_table_columns(self) -> None:
         """

@@ -1,0 +1,163 @@
+"""
+A diagnostic reference: the proxy nvproxy's data path is built from, with
+none of nvproxy's work.  A bare C{twisted.web} leaf resource forwards each
+request through C{twisted.web.client.Agent} on one persistent
+C{HTTPConnectionPool} (HTTP/1.1 to the upstream, connections reused) and
+relays the answer as it arrives; no routing, retries, events, metrics,
+access log or limits.
+
+    python -m bench.agentfloor --port 0 --upstream 127.0.0.1:11434
+
+It prints C{listening on HOST:PORT} once ready and runs until SIGTERM/SIGINT.
+Twisted's C{ReverseProxyResource} (L{bench.rpr}) opens a new upstream
+connection per request; this one does not, so the two differ in their
+client, and the gap between this floor and nvproxy is nvproxy's own work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from io import BytesIO
+from typing import Any, cast
+
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorCore, IReactorTCP
+from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool
+from twisted.web.http import Request as HTTPRequest
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IResponse
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+# Hop-by-hop (RFC 9110 section 7.6.1), plus what the client side sets itself.
+_DROP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+        b"host",
+        b"date",
+        b"server",
+    }
+)
+
+
+class _Request(Request):
+    defaultContentType = None  # relay the upstream's
+
+
+class _QuietSite(Site):
+    noisy = False
+    requestFactory = _Request
+
+    def log(self, request: HTTPRequest) -> None:
+        """No access log: the floor does nothing it does not have to."""
+
+
+class _Relay(Protocol):
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._request._disconnected:
+            self._request.write(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if not self._request.finished and not self._request._disconnected:
+            self._request.finish()
+
+
+def _kept(headers: Headers) -> Headers:
+    return Headers(
+        {
+            name: values
+            for name, values in headers.getAllRawHeaders()
+            if name.lower() not in _DROP
+        }
+    )
+
+
+class _Front(Resource):
+    isLeaf = True
+
+    def __init__(self, agent: Agent, upstream: bytes) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._agent = agent
+        self._upstream = upstream
+
+    def render(self, request: Any) -> object:
+        body = request.content.read()
+        d = self._agent.request(
+            request.method,
+            self._upstream + request.uri,
+            _kept(request.requestHeaders),
+            FileBodyProducer(BytesIO(body)) if body else None,
+        )
+
+        def answered(response: IResponse) -> None:
+            request.setResponseCode(response.code)
+            for name, values in _kept(response.headers).getAllRawHeaders():
+                request.responseHeaders.setRawHeaders(name, values)
+            response.deliverBody(_Relay(request))
+
+        def failed(reason: Failure) -> None:
+            if not request.finished and not request._disconnected:
+                request.setResponseCode(502)
+                request.finish()
+
+        d.addCallbacks(answered, failed)
+        return NOT_DONE_YET
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.agentfloor",
+        description="A bare Agent proxy on a persistent pool, as a reference.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--upstream", required=True, help="HOST:PORT")
+    return parser.parse_args(argv)
+
+
+def _serve(reactor: Any, args: argparse.Namespace) -> Deferred[None]:
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    pool.maxPersistentPerHost = 4096
+    front = _Front(Agent(reactor, pool=pool), f"http://{args.upstream}".encode())
+    site = _QuietSite(front, reactor=reactor)  # type: ignore[no-untyped-call]
+    done: Deferred[None] = Deferred()
+
+    def start() -> None:
+        try:
+            listening = cast(IReactorTCP, reactor).listenTCP(
+                args.port, cast(ServerFactory, site), 4096, interface=args.host
+            )
+        except Exception:
+            done.errback()
+            return
+        address = cast(IPv4Address, listening.getHost())
+        print(f"listening on {args.host}:{address.port}", flush=True)
+
+    cast(IReactorCore, reactor).callWhenRunning(start)
+    return done
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the reference proxy until SIGTERM/SIGINT."""
+    from twisted.internet.task import react
+
+    react(_serve, (_parse(sys.argv[1:] if argv is None else argv),))
+
+
+if __name__ == "__main__":
+    main()
