@@ -39,6 +39,11 @@ Decisions taken here where the spec and DESIGN.md are silent:
 
   - Target lost on the final attempt: the budget is spent and nothing else
     can answer, so it is a 502 (L{RejectReason.TARGET_LOST_FINAL}).
+  - A round is resolved when it begins; when an attempt fails, the round's
+    nodes that have left discovery since (the presence check says so) are
+    skipped, so the job never dispatches to a node whose answer the next
+    discovery change would throw away.  If none is left, the job backs off
+    and resolves again, as after a round.
   - A backoff that would end at or after the deadline is cut to end at the
     deadline, and the job then answers its 503 right there: no dispatch can
     start at the deadline, and the wait for an owner is the full grace period.
@@ -603,11 +608,30 @@ class _JobCore:
         if inflight.final:
             return _Reject(_FINAL_FAILURE[failed.kind])
         self.notify("between_attempts", self.observer.between_attempts)
+        if self.inference:
+            self.round = [t for t in self.round if self.still_present(t.node_id)]
         if self.round:
             return self.next_in_round()
         if not self.inference:
             return _Reject(RejectReason.EXHAUSTED)  # unreachable: last is final
         return self.wait()
+
+    def still_present(self, node_id: str) -> bool:
+        """
+        Whether a node of the current round still owns what the job asks
+        for.  The round was resolved when it began; a node that has left
+        discovery since is not dispatched to, or its answer would be thrown
+        away on the next discovery change (the attempt is cancelled then),
+        after the engine did the work.  Without a presence check, every
+        node counts as present.
+        """
+        if self.present is None:
+            return True
+        try:
+            return self.present(node_id)
+        except Exception:
+            log.failure("dispatch: presence check raised")
+            return True
 
     def wait(self) -> _Step:
         remaining = self.deadline_at - self.clock.seconds()
@@ -993,7 +1017,8 @@ class Dispatcher:
             that attempt is cancelled (§5.3).
         @param present: whether a node still owns what the job asks for;
             when given, a discovery change asks it instead of C{resolver()}
-            (which may have side effects such as taking reservations).
+            (which may have side effects such as taking reservations), and
+            an inference job skips the round's nodes it says have left.
         @param created_at: when the request was created (C{clock.seconds()}
             scale); the deadline counts from it.  Default: now.
 

@@ -109,14 +109,25 @@ class Harness:
             self.clock.advance(0)
         self.clock.rightNow = until
 
-    def dispatch(self, inference: bool = True) -> Deferred[JobOutcome]:
+    def dispatch(
+        self, inference: bool = True, present: bool = False
+    ) -> Deferred[JobOutcome]:
+        """
+        Dispatch one job; with C{present}, the job asks the discovery
+        whether a node is still in it (as the facades do) instead of
+        resolving again.
+        """
         return self.dispatcher.dispatch(
             self.discovery.resolve,
             self.sink,
             inference=inference,
             observer=self.observer,
             subscribe=self.discovery.subscribe,
+            present=self._present if present else None,
         )
+
+    def _present(self, node_id: str) -> bool:
+        return node_id in {t.node_id for t in self.discovery.targets}
 
     def after(
         self, delay: float, action: Callable[[FakeAttempt], object]
@@ -660,6 +671,43 @@ class OwnerTests(SynchronousTestCase):
         a.last.commit(200)
         a.last.end()
         self.assertEqual(self.successResultOf(d).attempts, 2)
+
+    def test_departed_node_of_the_round_is_skipped(self) -> None:
+        """
+        A node of the round that left discovery while another attempt was
+        in flight is not dispatched to when that attempt fails (its answer
+        would be thrown away at the next discovery change): the job backs
+        off and resolves again.
+        """
+        h = Harness()
+        a, b = h.target("a"), h.target("b")
+        h.discovery.set(a, b)
+        d = h.dispatch(present=True)
+        h.discovery.set(a)  # b leaves; a, in flight, stays
+        self.assertEqual(a.last.calls, [])
+        a.last.fail(FailureKind.TRANSPORT)
+        self.assertEqual(b.attempts, [])
+        self.assertEqual(len(h.clock.getDelayedCalls()), 1)  # the backoff
+        h.advance(1)
+        self.assertEqual([node for _, node, _ in h.starts], ["a", "a"])
+        a.last.commit(200)
+        a.last.end()
+        outcome = self.successResultOf(d)
+        self.assertEqual((outcome.node_id, outcome.attempts), ("a", 2))
+        self.assertEqual(b.attempts, [])
+
+    def test_present_node_of_the_round_is_tried_at_once(self) -> None:
+        """With the presence check, a round's node still there is failed
+        over to at once, as without it."""
+        h = Harness()
+        a, b = h.target("a"), h.target("b")
+        h.discovery.set(a, b)
+        d = h.dispatch(present=True)
+        a.last.fail(FailureKind.TRANSPORT)
+        self.assertEqual(h.starts, [(0.0, "a", False), (0.0, "b", False)])
+        b.last.commit(200)
+        b.last.end()
+        self.assertEqual(self.successResultOf(d).node_id, "b")
 
     def test_commit_races_discovery_loss(self) -> None:
         """
