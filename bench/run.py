@@ -548,9 +548,10 @@ def floor_notes(rows: Sequence[Row]) -> list[str]:
         ours, floor = cpu[scenario, c, NVPROXY], cpu[scenario, c, AGENT]
         text = (
             f"{scenario} c={c}: nvproxy {ours * 1e6:.0f} us/request ="
-            f" {ours / floor:.2f}x the Agent floor ({floor * 1e6:.0f} us);"
-            f" nvproxy's own work {(ours - floor) * 1e6:.0f} us"
+            f" {ours / floor:.2f}x the Agent floor ({floor * 1e6:.0f} us)"
         )
+        if ours >= floor:
+            text += f"; nvproxy's own work {(ours - floor) * 1e6:.0f} us"
         rpr = cpu.get((scenario, c, RPR))
         if rpr is not None:
             text += f"; Agent floor/RPR {floor / rpr:.2f}, nvproxy/RPR {ours / rpr:.2f}"

@@ -214,17 +214,26 @@ class ReportTests(SynchronousTestCase):
             _row("agent", scenario="floor-chat", proxy_cpu_per_request=0.0006),
             _row("nvproxy", scenario="floor-chat", proxy_cpu_per_request=0.0009),
             _row("nvproxy", scenario="floor-sse", proxy_cpu_per_request=0.001),
+            _row("agent", scenario="floor-stream", proxy_cpu_per_request=0.003),
+            _row("nvproxy", scenario="floor-stream", proxy_cpu_per_request=0.0015),
         ]
         self.assertEqual(
             run.floor_notes(rows),
             [
                 "floor-chat c=32: nvproxy 900 us/request = 1.50x the Agent floor"
                 " (600 us); nvproxy's own work 300 us; Agent floor/RPR 0.75,"
-                " nvproxy/RPR 1.12"
+                " nvproxy/RPR 1.12",
+                # below the floor: no "own work" to speak of
+                "floor-stream c=32: nvproxy 1500 us/request = 0.50x the Agent"
+                " floor (3000 us)",
             ],
         )
         self.assertEqual(report.figures(rows), [])
-        agent = [line for line in run.table(rows).splitlines() if " agent " in line]
+        agent = [
+            line
+            for line in run.table(rows).splitlines()
+            if line.startswith("floor-chat") and " agent " in line
+        ]
         self.assertEqual(len(agent), 1)
         self.assertIn(" 600 ", agent[0])
         self.assertIn(" 0.75 ", agent[0])  # its CPU against RPR's
