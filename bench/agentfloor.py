@@ -16,23 +16,19 @@ client, and the gap between this floor and nvproxy is nvproxy's own work.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from io import BytesIO
-from typing import Any, cast
+from typing import Any
 
-from twisted.internet.address import IPv4Address
-from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorCore, IReactorTCP
-from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool
-from twisted.web.http import Request as HTTPRequest
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from bench.refserver import QuietSite, run
 
 # Hop-by-hop (RFC 9110 section 7.6.1), plus what the client side sets itself.
 _DROP = frozenset(
@@ -56,12 +52,8 @@ class _Request(Request):
     defaultContentType = None  # relay the upstream's
 
 
-class _QuietSite(Site):
-    noisy = False
+class _Site(QuietSite):
     requestFactory = _Request
-
-    def log(self, request: HTTPRequest) -> None:
-        """No access log: the floor does nothing it does not have to."""
 
 
 class _Relay(Protocol):
@@ -119,44 +111,22 @@ class _Front(Resource):
         return NOT_DONE_YET
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.agentfloor",
-        description="A bare Agent proxy on a persistent pool, as a reference.",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--upstream", required=True, help="HOST:PORT")
-    return parser.parse_args(argv)
-
-
-def _serve(reactor: Any, args: argparse.Namespace) -> Deferred[None]:
+def _site(reactor: Any, upstream: str) -> Site:
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool.maxPersistentPerHost = 4096
-    front = _Front(Agent(reactor, pool=pool), f"http://{args.upstream}".encode())
-    site = _QuietSite(front, reactor=reactor)  # type: ignore[no-untyped-call]
-    done: Deferred[None] = Deferred()
-
-    def start() -> None:
-        try:
-            listening = cast(IReactorTCP, reactor).listenTCP(
-                args.port, cast(ServerFactory, site), 4096, interface=args.host
-            )
-        except Exception:
-            done.errback()
-            return
-        address = cast(IPv4Address, listening.getHost())
-        print(f"listening on {args.host}:{address.port}", flush=True)
-
-    cast(IReactorCore, reactor).callWhenRunning(start)
-    return done
+    front = _Front(Agent(reactor, pool=pool), f"http://{upstream}".encode())
+    return _Site(front, reactor=reactor)  # type: ignore[no-untyped-call]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the reference proxy until SIGTERM/SIGINT."""
-    from twisted.internet.task import react
-
-    react(_serve, (_parse(sys.argv[1:] if argv is None else argv),))
+    run(
+        "python -m bench.agentfloor",
+        "A bare Agent proxy on a persistent pool, as a reference.",
+        _site,
+        backlog=4096,
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":
