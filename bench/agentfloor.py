@@ -3,7 +3,8 @@ A diagnostic reference: the proxy nvproxy's data path is built from, with
 none of nvproxy's work.  A bare C{twisted.web} leaf resource forwards each
 request through C{twisted.web.client.Agent} on one persistent
 C{HTTPConnectionPool} (HTTP/1.1 to the upstream, connections reused) and
-relays the answer as it arrives; no routing, retries, events, metrics,
+relays the answer as it arrives (hop-by-hop headers dropped with nvproxy's
+own C{end_to_end}); no routing, retries, events, metrics,
 access log or limits.
 
     python -m bench.agentfloor --port 0 --upstream 127.0.0.1:11434
@@ -23,29 +24,15 @@ from typing import Any
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool
-from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from bench.refserver import QuietSite, run
+from nvproxy.proxy.upstream import end_to_end
 
-# Hop-by-hop (RFC 9110 section 7.6.1), plus what the client side sets itself.
-_DROP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"content-length",
-        b"host",
-        b"date",
-        b"server",
-    }
-)
+# Besides the hop-by-hop headers: what each side sets itself.
+_DROP = frozenset({b"content-length", b"host", b"date", b"server"})
 
 
 class _Request(Request):
@@ -69,16 +56,6 @@ class _Relay(Protocol):
             self._request.finish()
 
 
-def _kept(headers: Headers) -> Headers:
-    return Headers(
-        {
-            name: values
-            for name, values in headers.getAllRawHeaders()
-            if name.lower() not in _DROP
-        }
-    )
-
-
 class _Front(Resource):
     isLeaf = True
 
@@ -92,13 +69,13 @@ class _Front(Resource):
         d = self._agent.request(
             request.method,
             self._upstream + request.uri,
-            _kept(request.requestHeaders),
+            end_to_end(request.requestHeaders, _DROP),
             FileBodyProducer(BytesIO(body)) if body else None,
         )
 
         def answered(response: IResponse) -> None:
             request.setResponseCode(response.code)
-            for name, values in _kept(response.headers).getAllRawHeaders():
+            for name, values in end_to_end(response.headers, _DROP).getAllRawHeaders():
                 request.responseHeaders.setRawHeaders(name, values)
             response.deliverBody(_Relay(request))
 

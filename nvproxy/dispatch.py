@@ -622,8 +622,8 @@ class _JobCore:
         for.  The round was resolved when it began; a node that has left
         discovery since is not dispatched to, or its answer would be thrown
         away on the next discovery change (the attempt is cancelled then),
-        after the engine did the work.  Without a presence check, every
-        node counts as present.
+        after the engine did the work.  Without a presence check, or when
+        it raises (logged), a node counts as present.
         """
         if self.present is None:
             return True
@@ -869,11 +869,7 @@ def _build_machine() -> Callable[[_JobCore], _JobInputs]:
         if core.present is not None:
             # A side-effect-free check: resolving would also re-order and
             # re-reserve, moving the claim off the node doing the work.
-            try:
-                if core.present(inflight.node_id):
-                    return
-            except Exception:
-                log.failure("dispatch: presence check raised")
+            if core.still_present(inflight.node_id):
                 return
         else:
             candidates = core.resolve()

@@ -286,8 +286,10 @@ def _record(line: bytes) -> object:
 # alternation of them all is tried at every byte), and together they are a
 # superset of what the line checks below look for.
 _ESCAPE = re.compile(rb"\\u")
-_KEY_NAMES = tuple(
-    re.compile(needle) for needle in (rb"usage", rb"timings", rb"eval_", rb"tokens_")
+_USAGE = re.compile(rb"usage")
+_KEY_NAMES = (
+    _USAGE,
+    *(re.compile(needle) for needle in (rb"timings", rb"eval_", rb"tokens_")),
 )
 """The report keys' names (C{eval_} and C{tokens_} stand for two and three)."""
 _MAY_REPORT = (_ESCAPE, *_KEY_NAMES)
@@ -296,7 +298,7 @@ _MAY_REPORT = (_ESCAPE, *_KEY_NAMES)
 _MAY_TALLY = (
     re.compile(rb"\[DONE\]"),
     _ESCAPE,
-    _KEY_NAMES[0],
+    _USAGE,
     re.compile(rb'stop"'),
     re.compile(rb'_reason"(?!:null)'),
 )
@@ -320,7 +322,6 @@ class _Window:
 
     def __init__(self, window: bytes, whole: bool) -> None:
         self.window = window
-        self.whole = whole
         self.document: object = _loads(window) if whole and window else None
         first = window.find(b"\n")
         self._start = 0 if whole else (len(window) if first < 0 else first + 1)

@@ -17,10 +17,11 @@ import json
 import re
 import tempfile
 from collections.abc import Iterator
-from functools import lru_cache
 from typing import IO, Final
 
 from attrs import frozen
+
+from nvproxy.memo import keep_short
 
 BLOCK = 64 * 1024
 MAX_FIELD = 4096
@@ -40,12 +41,11 @@ def media_type(content_type: bytes | None) -> tuple[str, dict[str, str]]:
     """
     if not content_type:
         return "", {}
-    if len(content_type) <= 256 and type(content_type) is bytes:
-        media, params = _media_types(content_type)
-        return media, dict(params)
-    return _media_type(content_type)
+    media, params = _media_type(content_type)
+    return media, dict(params)  # the caller's own copy of the kept one
 
 
+@keep_short(256)
 def _media_type(content_type: bytes) -> tuple[str, dict[str, str]]:
     text = content_type.decode("latin-1")
     head, _, rest = text.partition(";")
@@ -56,11 +56,6 @@ def _media_type(content_type: bytes) -> tuple[str, dict[str, str]]:
             value = re.sub(r"\\(.)", r"\1", value[1:-1])
         params[key] = value
     return head.strip().lower(), params
-
-
-_media_types = lru_cache(maxsize=256)(_media_type)
-"""A client sends the same few content types (each caller gets its own copy
-of the parameters)."""
 
 
 # -- JSON -------------------------------------------------------------------

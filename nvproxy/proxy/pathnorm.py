@@ -43,6 +43,8 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from urllib.parse import unquote_to_bytes
 
+from nvproxy.memo import SHORT, keep_short
+
 __all__ = [
     "HIDDEN_VLLM",
     "HIDDEN_VLLM_PREFIXES",
@@ -167,6 +169,12 @@ def _resolve(segments: Iterable[str]) -> list[str]:
     return out
 
 
+CACHED_PATH = SHORT
+"""Paths up to this many bytes have their forms kept (a facade sees the
+same few routes over and over, and each request asks several times)."""
+
+
+@keep_short(1024, CACHED_PATH)
 def normalize_path(raw: bytes) -> str | None:
     """
     Return the normalized form of a request path, or ``None`` if invalid.
@@ -176,12 +184,6 @@ def normalize_path(raw: bytes) -> str | None:
     ended with one (``/`` itself stays ``/``).  Normalizing a normalized path
     returns it unchanged.
     """
-    if len(raw) <= CACHED_PATH and type(raw) is bytes:
-        return _normalized(raw)
-    return _normalize(raw)
-
-
-def _normalize(raw: bytes) -> str | None:
     text = _decode(raw)
     if text is None:
         return None
@@ -193,6 +195,7 @@ def _normalize(raw: bytes) -> str | None:
     return "/" + "/".join(segments) + ("/" if trailing else "")
 
 
+@keep_short(1024, CACHED_PATH)
 def match_key(raw: bytes) -> str | None:
     """
     Return the key :func:`is_hidden` compares, or ``None`` if invalid.
@@ -201,24 +204,11 @@ def match_key(raw: bytes) -> str | None:
     segment before dot segments are resolved, the result is case-folded, and
     there is no trailing slash (except for the root, ``/``).
     """
-    if len(raw) <= CACHED_PATH and type(raw) is bytes:
-        return _matched(raw)
-    return _match(raw)
-
-
-def _match(raw: bytes) -> str | None:
     text = _decode(raw)
     if text is None:
         return None
     segments = _resolve(part.split(";", 1)[0] for part in text.split("/"))
     return ("/" + "/".join(segments)).casefold()
-
-
-CACHED_PATH = 256
-"""Paths up to this many bytes have their forms kept (a facade sees the
-same few routes over and over, and each request asks several times)."""
-_normalized = lru_cache(maxsize=1024)(_normalize)
-_matched = lru_cache(maxsize=1024)(_match)
 
 
 @lru_cache(maxsize=32)
