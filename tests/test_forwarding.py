@@ -17,6 +17,7 @@ from twisted.web.client import ResponseDone
 from twisted.web.iweb import IResponse
 
 from nvproxy.config import Config
+from nvproxy.proxy import site
 from nvproxy.service import NvProxy
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
 from nvproxy.testing.harness import (
@@ -174,6 +175,37 @@ class ForwardingTests(ProxyTestCase):
         self.assertEqual(lines[-1]["eval_count"], 20)
         # The engine saw the request as sent, model name untouched.
         self.assertEqual(fake.requests[-1].json()["model"], "llama3")
+
+    async def test_paced_stream_sent_at_once(self) -> None:
+        """
+        Chunks that arrive one read at a time after the first are handed to
+        the client's socket as they come (L{nvproxy.proxy.site._send_now}),
+        and the stream arrives intact and in order.
+        """
+        sent: list[bytes] = []
+        original = site._send_now
+
+        def spy(transport: object, data: bytes) -> bool:
+            taken = original(transport, data)
+            if taken:
+                sent.append(data)
+            return taken
+
+        self.patch(site, "_send_now", spy)
+        fake = await self.engine("ollama", ["llama3:latest"])
+        fake.default = Behaviour(chunks=8, chunk_interval=0.01)
+        proxy = await self.proxy({"ollama": fake.url})
+        code, headers, body = await self.post(
+            facade_url(proxy, "ollama") + "/api/generate",
+            {"model": "llama3", "prompt": "hello"},
+        )
+        self.assertEqual(code, 200)
+        lines = [json.loads(line) for line in body.splitlines()]
+        self.assertEqual(len(lines), 9)
+        self.assertTrue(lines[-1]["done"])
+        # Each later part went out at once, still in the response's framing.
+        self.assertGreaterEqual(len(sent), 7)
+        self.assertTrue(all(part.endswith(b"\r\n") for part in sent))
 
     async def test_openai_non_streaming(self) -> None:
         fake = await self.engine("openai", ["qwen"])

@@ -13,9 +13,9 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
-from twisted.internet.error import ConnectionDone
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IListeningPort
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
@@ -31,7 +31,9 @@ from nvproxy.proxy.site import (
     FacadeSite,
     GuardedSite,
     _chunk_size_error,
+    _send_now,
     origin_form,
+    stream_at_once,
 )
 from nvproxy.service import build
 from tests.test_service import service_config
@@ -490,6 +492,120 @@ class ServiceLimitsTests(SynchronousTestCase):
                 max_header_count=100,
             ),
         )
+
+
+class _Server(Protocol):
+    """The server's half of a loopback connection, handed to the test."""
+
+    def __init__(self, made: Deferred[Protocol]) -> None:
+        self._made = made
+
+    def connectionMade(self) -> None:
+        self._made.callback(self)
+
+
+class _Reader(Protocol):
+    def __init__(self) -> None:
+        self.data = b""
+        self.closed: Deferred[None] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        self.closed.callback(None)
+
+
+class SendAtOnceTests(TestCase):
+    """
+    L{_send_now} and a channel's C{send_at_once}: on a plain TCP connection
+    with nothing queued, bytes go to the socket in the call; otherwise they
+    take Twisted's queue, behind what is there.
+    """
+
+    async def connection(self) -> tuple[Any, _Reader]:
+        made: Deferred[Protocol] = Deferred()
+        factory = ServerFactory.forProtocol(lambda: _Server(made))
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[attr-defined]
+        self.addCleanup(port.stopListening)
+        reader = _Reader()
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        await connectProtocol(endpoint, reader)
+        server = await made
+        transport = server.transport
+
+        async def close() -> None:
+            transport.loseConnection()
+            await reader.closed
+
+        self.addCleanup(lambda: Deferred.fromCoroutine(close()))
+        return transport, reader
+
+    async def received(self, reader: _Reader, size: int) -> bytes:
+        for _ in range(200):
+            if len(reader.data) >= size:
+                break
+            await deferLater(reactor, 0.005, lambda: None)
+        return reader.data
+
+    async def test_sent_in_the_call(self) -> None:
+        transport, reader = await self.connection()
+        self.assertTrue(_send_now(transport, b"hello"))
+        self.assertEqual((transport.dataBuffer, transport._tempDataLen), (b"", 0))
+        # Not registered for writability: no poll round, no epoll_ctl.
+        self.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
+        self.assertEqual(await self.received(reader, 5), b"hello")
+
+    async def test_queued_bytes_go_first(self) -> None:
+        transport, reader = await self.connection()
+        transport.write(b"first ")
+        self.assertFalse(_send_now(transport, b"second"))
+        transport.write(b"second")
+        self.assertEqual(await self.received(reader, 12), b"first second")
+
+    async def test_what_the_socket_does_not_take_is_queued(self) -> None:
+        transport, reader = await self.connection()
+        transport.writeSomeData = lambda data: 3
+        self.assertTrue(_send_now(transport, b"abcdefgh"))
+        self.assertEqual(transport._tempDataBuffer, [b"defgh"])
+        del transport.writeSomeData
+        self.assertEqual(await self.received(reader, 5), b"defgh")
+
+    async def test_lost_connection_takes_the_queue(self) -> None:
+        transport, reader = await self.connection()
+        transport.writeSomeData = lambda data: ConnectionLost()
+        self.assertFalse(_send_now(transport, b"abc"))
+
+    async def test_closing_connection_takes_the_queue(self) -> None:
+        transport, reader = await self.connection()
+        transport.write(b"x")
+        transport.loseConnection()
+        self.assertFalse(_send_now(transport, b"late"))
+
+    def test_other_transports_take_their_own_path(self) -> None:
+        """A TLS connection (here a StringTransport) is written as before."""
+        conn = _Connection(self, _facade_site(Clock()))
+        self.assertFalse(_send_now(conn.transport, b"x"))
+        conn.channel.send_at_once = True
+        conn.channel.writeSequence([b"a", b"b"])
+        conn.channel.write(b"c")
+        self.assertEqual(conn.output(), b"abc")
+
+    def test_cleared_when_the_response_is_done(self) -> None:
+        conn = _Connection(self, _facade_site(Clock()))
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"ok", conn.output())
+        conn.channel.send_at_once = True
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertFalse(conn.channel.send_at_once)
+
+    def test_stream_at_once_marks_the_channel(self) -> None:
+        conn = _Connection(self, _facade_site(Clock()))
+        request = Request(conn.channel)
+        stream_at_once(request)
+        self.assertTrue(conn.channel.send_at_once)
+        # Anything else (a test's fake request) is left alone.
+        stream_at_once(object())
 
 
 class _Trickler(Protocol):

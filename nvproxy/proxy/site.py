@@ -32,13 +32,14 @@ keep-alive connection, at the first byte the channel reads of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from attrs import frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
+from twisted.internet.tcp import Server
 from twisted.python.failure import Failure
 from twisted.web.http import (
     HTTPChannel,
@@ -167,6 +168,51 @@ class _StrictChunkedDecoder(_ChunkedTransferDecoder):
             raise
 
 
+def _send_now(transport: object, data: bytes) -> bool:
+    """
+    Hand C{data} to the kernel now when C{transport} is a plain TCP
+    connection with nothing queued; whether it did.
+
+    Twisted's C{write} only queues: it registers the socket for writability
+    (one C{epoll_ctl}), the next poll reports it writable, C{doWrite} sends,
+    and finding the queue empty unregisters it (a second C{epoll_ctl}).  A
+    streamed chunk that arrives alone waits behind everything else that poll
+    reported (a burst of other streams' chunks is read, all of it, before
+    any is sent) and costs two system calls more than its C{send}.  Here it
+    is sent at once; what the socket does not take (a slow client) is queued
+    the ordinary way, so flow control and ordering are Twisted's.  TLS
+    connections (peers) keep the ordinary path.
+    """
+    if (
+        type(transport) is not Server
+        or transport._tempDataLen
+        or transport.dataBuffer
+        or transport.disconnecting
+        or transport._writeDisconnecting
+        or not transport.connected
+    ):
+        return False
+    sent = transport.writeSomeData(data)
+    if not isinstance(sent, int):
+        # Lost: queue it, and the reactor's next write reports the loss.
+        return False
+    if sent < len(data):
+        transport.write(data[sent:])
+    return True
+
+
+def stream_at_once(request: object) -> None:
+    """
+    From now until it finishes, send what C{request}'s response writes at
+    once (L{_send_now}).  The relay calls this after a committed response's
+    first write, so the head and the first bytes (and, for an answer in one
+    read, all of it) still leave in one C{send}.
+    """
+    channel = getattr(request, "channel", None)
+    if isinstance(channel, _GuardedChannel):
+        channel.send_at_once = True
+
+
 class _GuardedChannel(HTTPChannel):
     """
     An C{HTTPChannel} whose request heads must arrive within an absolute
@@ -187,10 +233,27 @@ class _GuardedChannel(HTTPChannel):
     _deadline: IDelayedCall | None = None
     _refused = False
     _host: IAddress | None = None
+    send_at_once = False
+    """
+    Set by the relay once a committed response has made its first write
+    (L{stream_at_once}); cleared when that response is done.
+    """
 
     def connectionMade(self) -> None:
         HTTPChannel.connectionMade(self)
         self._arm_deadline()
+
+    def write(self, data: bytes) -> None:
+        if not (self.send_at_once and _send_now(self.transport, data)):
+            HTTPChannel.write(self, data)
+
+    def writeSequence(self, iovec: Iterable[bytes]) -> None:
+        if not (self.send_at_once and _send_now(self.transport, b"".join(iovec))):
+            HTTPChannel.writeSequence(self, iovec)
+
+    def requestDone(self, request: Request) -> None:
+        self.send_at_once = False
+        HTTPChannel.requestDone(self, request)
 
     def getHost(self) -> IAddress:
         # twisted.web asks for every request, and each ask is a getsockname
