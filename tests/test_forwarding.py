@@ -178,9 +178,9 @@ class ForwardingTests(ProxyTestCase):
 
     async def test_paced_stream_sent_at_once(self) -> None:
         """
-        Chunks that arrive one read at a time after the first are handed to
-        the client's socket as they come (L{nvproxy.proxy.site._send_now}),
-        and the stream arrives intact and in order.
+        Chunks that arrive one read at a time are handed to the client's
+        socket at the end of their read (L{nvproxy.proxy.cork}), and the
+        stream arrives intact and in order.
         """
         sent: list[bytes] = []
         original = site._send_now
@@ -203,8 +203,9 @@ class ForwardingTests(ProxyTestCase):
         lines = [json.loads(line) for line in body.splitlines()]
         self.assertEqual(len(lines), 9)
         self.assertTrue(lines[-1]["done"])
-        # Each later part went out at once, still in the response's framing.
-        self.assertGreaterEqual(len(sent), 7)
+        # The head with the first part, then each part, in its framing.
+        self.assertGreaterEqual(len(sent), 8)
+        self.assertTrue(sent[0].startswith(b"HTTP/1.1 200 "))
         self.assertTrue(all(part.endswith(b"\r\n") for part in sent))
 
     async def test_openai_non_streaming(self) -> None:

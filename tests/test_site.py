@@ -21,10 +21,12 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
+from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from nvproxy.engines import ENGINES
+from nvproxy.proxy.cork import CORK
 from nvproxy.proxy.listener import DemuxFactory
 from nvproxy.proxy.site import (
     ClientLimits,
@@ -33,7 +35,6 @@ from nvproxy.proxy.site import (
     _chunk_size_error,
     _send_now,
     origin_form,
-    stream_at_once,
 )
 from nvproxy.service import build
 from tests.test_service import service_config
@@ -516,11 +517,10 @@ class _Reader(Protocol):
         self.closed.callback(None)
 
 
-class SendAtOnceTests(TestCase):
+class SendNowTests(TestCase):
     """
-    L{_send_now} and a channel's C{send_at_once}: on a plain TCP connection
-    with nothing queued, bytes go to the socket in the call; otherwise they
-    take Twisted's queue, behind what is there.
+    L{_send_now}: on a plain TCP connection with nothing queued, bytes go to
+    the socket in the call; otherwise they take Twisted's queue.
     """
 
     async def connection(self) -> tuple[Any, _Reader]:
@@ -577,35 +577,163 @@ class SendAtOnceTests(TestCase):
         self.assertFalse(_send_now(transport, b"abc"))
 
     async def test_closing_connection_takes_the_queue(self) -> None:
+        """
+        Bytes held through a read that also closed the connection (an
+        HTTP/1.0 answer) are queued, and still leave before the close.
+        """
         transport, reader = await self.connection()
-        transport.write(b"x")
         transport.loseConnection()
         self.assertFalse(_send_now(transport, b"late"))
+        transport.write(b"late")
+        await reader.closed
+        self.assertEqual(reader.data, b"late")
 
-    def test_other_transports_take_their_own_path(self) -> None:
-        """A TLS connection (here a StringTransport) is written as before."""
-        conn = _Connection(self, _facade_site(Clock()))
-        self.assertFalse(_send_now(conn.transport, b"x"))
-        conn.channel.send_at_once = True
-        conn.channel.writeSequence([b"a", b"b"])
-        conn.channel.write(b"c")
-        self.assertEqual(conn.output(), b"abc")
+    async def test_aborted_connection_takes_the_queue(self) -> None:
+        transport, reader = await self.connection()
+        transport.abortConnection()
+        self.assertFalse(_send_now(transport, b"late"))
 
-    def test_cleared_when_the_response_is_done(self) -> None:
-        conn = _Connection(self, _facade_site(Clock()))
-        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        self.assertIn(b"ok", conn.output())
-        conn.channel.send_at_once = True
-        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        self.assertFalse(conn.channel.send_at_once)
+    def test_other_transports(self) -> None:
+        """A TLS connection (here a StringTransport) is never written here."""
+        self.assertFalse(_send_now(StringTransport(), b"x"))
 
-    def test_stream_at_once_marks_the_channel(self) -> None:
+
+class CorkTests(TestCase):
+    """
+    L{nvproxy.proxy.cork}: while an upstream read is handled, a facade
+    channel on a plain TCP connection holds what it writes, head included,
+    and sends it in one piece at the end of the read, in order.
+    """
+
+    async def connection(self) -> tuple[Any, _Reader]:
+        """A facade channel on a loopback connection, and its client."""
+        site = _facade_site(Clock())
+        port = reactor.listenTCP(0, site, interface="127.0.0.1")  # type: ignore[attr-defined]
+        self.addCleanup(port.stopListening)
+        reader = _Reader()
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        await connectProtocol(endpoint, reader)
+        for _ in range(200):
+            if site.channels:
+                break
+            await deferLater(reactor, 0.005, lambda: None)
+        (channel,) = site.channels
+
+        async def close() -> None:
+            if channel.transport is not None:
+                channel.transport.loseConnection()
+            await reader.closed
+
+        self.addCleanup(lambda: Deferred.fromCoroutine(close()))
+        return channel, reader
+
+    def sends(self, transport: Any) -> list[bytes]:
+        """What C{transport} hands its socket, one entry per send."""
+        sent: list[bytes] = []
+        send = transport.writeSomeData
+
+        def record(data: bytes) -> Any:
+            sent.append(bytes(data))
+            return send(data)
+
+        self.patch(transport, "writeSomeData", record)
+        return sent
+
+    async def received(self, reader: _Reader, size: int) -> bytes:
+        for _ in range(200):
+            if len(reader.data) >= size:
+                break
+            await deferLater(reactor, 0.005, lambda: None)
+        return reader.data
+
+    async def test_held_until_the_read_is_handled(self) -> None:
+        channel, reader = await self.connection()
+        sent = self.sends(channel.transport)
+        headers = Headers({b"content-type": [b"text/plain"]})
+
+        def read(data: bytes) -> None:
+            channel.writeHeaders(b"HTTP/1.1", b"200", b"OK", headers)
+            channel.writeSequence([b"5\r\n", data, b"\r\n"])
+            channel.write(b"0\r\n\r\n")
+            self.assertEqual(sent, [])
+            self.assertEqual(channel.transport._tempDataBuffer, [])
+
+        CORK.during(read, b"hello")
+        answer = (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n"
+            b"5\r\nhello\r\n0\r\n\r\n"
+        )
+        # One send, in the call: nothing queued, no poll round.
+        self.assertEqual(sent, [answer])
+        self.assertNotIn(channel.transport, reactor.getWriters())  # type: ignore[attr-defined]
+        self.assertFalse(CORK.active)
+        self.assertEqual(await self.received(reader, len(answer)), answer)
+
+    async def test_not_held_outside_a_read(self) -> None:
+        channel, reader = await self.connection()
+        channel.write(b"a")
+        channel.writeSequence([b"b", b"c"])
+        self.assertEqual(b"".join(channel.transport._tempDataBuffer), b"abc")
+        self.assertEqual(await self.received(reader, 3), b"abc")
+
+    async def test_behind_what_is_queued(self) -> None:
+        channel, reader = await self.connection()
+        channel.transport.write(b"queued ")
+        CORK.during(channel.write, b"held")
+        self.assertEqual(await self.received(reader, 11), b"queued held")
+
+    async def test_every_channel_flushed_even_when_the_read_fails(self) -> None:
+        one, one_reader = await self.connection()
+        two, two_reader = await self.connection()
+
+        def read(data: bytes) -> None:
+            one.write(data)
+            two.write(data)
+            raise ZeroDivisionError
+
+        self.assertRaises(ZeroDivisionError, CORK.during, read, b"x")
+        self.assertFalse(CORK.active)
+        self.assertEqual(await self.received(one_reader, 1), b"x")
+        self.assertEqual(await self.received(two_reader, 1), b"x")
+
+    async def test_nested_read_leaves_the_flush_to_the_outer(self) -> None:
+        channel, reader = await self.connection()
+        sent = self.sends(channel.transport)
+
+        def outer(data: bytes) -> None:
+            CORK.during(channel.write, b"inner ")
+            self.assertEqual(sent, [])
+            channel.write(data)
+
+        CORK.during(outer, b"outer")
+        self.assertEqual(sent, [b"inner outer"])
+
+    async def test_answer_that_closes_its_connection(self) -> None:
+        """
+        An answer that closes its connection inside the read (HTTP/1.0,
+        C{Connection: close}) is held past that close and still sent whole
+        before it.
+        """
+        channel, reader = await self.connection()
+        CORK.during(channel.dataReceived, b"GET / HTTP/1.0\r\n\r\n")
+        await reader.closed
+        self.assertTrue(reader.data.startswith(b"HTTP/1.0 200 OK\r\n"), reader.data)
+        self.assertTrue(reader.data.endswith(b"\r\n\r\nok"), reader.data)
+
+    def test_tls_connections_not_held(self) -> None:
+        """
+        A TLS connection (a peer; here a StringTransport) drops what is
+        written after its C{loseConnection}: written at once, as before.
+        """
         conn = _Connection(self, _facade_site(Clock()))
-        request = Request(conn.channel)
-        stream_at_once(request)
-        self.assertTrue(conn.channel.send_at_once)
-        # Anything else (a test's fake request) is left alone.
-        stream_at_once(object())
+
+        def read(data: bytes) -> None:
+            conn.channel.write(data)
+            conn.channel.writeSequence([data])
+            conn.channel.writeHeaders(b"HTTP/1.1", b"200", b"OK", Headers())
+            self.assertEqual(conn.output(), b"xxHTTP/1.1 200 OK\r\n\r\n")
+
+        CORK.during(read, b"x")
 
 
 class _Trickler(Protocol):

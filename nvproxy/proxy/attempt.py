@@ -48,7 +48,6 @@ from nvproxy.proxy.client import (
     ClientSide,
     error_frame,
 )
-from nvproxy.proxy.site import stream_at_once
 from nvproxy.proxy.upstream import REQUEST_DROP, body_producer, end_to_end
 
 log = Logger()
@@ -320,8 +319,6 @@ class HttpAttempt:
         write(data)
         if self._state is _State.COMMITTED and not client.gone:
             gate.dataReceived = write  # type: ignore[method-assign]
-            # Later reads each arrive alone: straight to the client's socket.
-            stream_at_once(client.request)
 
     def _body_ended(self, reason: Failure) -> None:
         clean = reason.check(ResponseDone, PotentialDataLoss) is not None

@@ -46,12 +46,14 @@ from twisted.web.http import (
     _ChunkedTransferDecoder,
     _MalformedChunkedDataError,
 )
+from twisted.web.http_headers import Headers
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from nvproxy.jsonhttp import json_bytes
 from nvproxy.logs import Logger
 from nvproxy.proxy.accesslog import emit
+from nvproxy.proxy.cork import CORK
 
 log = Logger()
 
@@ -171,17 +173,10 @@ class _StrictChunkedDecoder(_ChunkedTransferDecoder):
 def _send_now(transport: object, data: bytes) -> bool:
     """
     Hand C{data} to the kernel now when C{transport} is a plain TCP
-    connection with nothing queued; whether it did.
-
-    Twisted's C{write} only queues: it registers the socket for writability
-    (one C{epoll_ctl}), the next poll reports it writable, C{doWrite} sends,
-    and finding the queue empty unregisters it (a second C{epoll_ctl}).  A
-    streamed chunk that arrives alone waits behind everything else that poll
-    reported (a burst of other streams' chunks is read, all of it, before
-    any is sent) and costs two system calls more than its C{send}.  Here it
-    is sent at once; what the socket does not take (a slow client) is queued
-    the ordinary way, so flow control and ordering are Twisted's.  TLS
-    connections (peers) keep the ordinary path.
+    connection with nothing queued; whether it did (L{nvproxy.proxy.cork}).
+    What the socket does not take (a slow client) is queued the ordinary way,
+    so flow control and ordering stay Twisted's.  TLS connections (peers)
+    keep the ordinary path.
     """
     if (
         type(transport) is not Server
@@ -189,6 +184,7 @@ def _send_now(transport: object, data: bytes) -> bool:
         or transport.dataBuffer
         or transport.disconnecting
         or transport._writeDisconnecting
+        or transport._aborting
         or not transport.connected
     ):
         return False
@@ -199,18 +195,6 @@ def _send_now(transport: object, data: bytes) -> bool:
     if sent < len(data):
         transport.write(data[sent:])
     return True
-
-
-def stream_at_once(request: object) -> None:
-    """
-    From now until it finishes, send what C{request}'s response writes at
-    once (L{_send_now}).  The relay calls this after a committed response's
-    first write, so the head and the first bytes (and, for an answer in one
-    read, all of it) still leave in one C{send}.
-    """
-    channel = getattr(request, "channel", None)
-    if isinstance(channel, _GuardedChannel):
-        channel.send_at_once = True
 
 
 class _GuardedChannel(HTTPChannel):
@@ -233,27 +217,64 @@ class _GuardedChannel(HTTPChannel):
     _deadline: IDelayedCall | None = None
     _refused = False
     _host: IAddress | None = None
-    send_at_once = False
-    """
-    Set by the relay once a committed response has made its first write
-    (L{stream_at_once}); cleared when that response is done.
-    """
+    _held: list[bytes] | None = None
+    """What this channel was asked to write during the upstream read being
+    handled (L{nvproxy.proxy.cork}); C{None} when it holds nothing."""
 
     def connectionMade(self) -> None:
         HTTPChannel.connectionMade(self)
         self._arm_deadline()
 
+    def _hold(self, data: bytes) -> bool:
+        """
+        Keep C{data} for L{flush} if an upstream read is being handled and
+        this is a plain TCP connection: a TLS one (a peer) drops what is
+        written after its C{loseConnection}, which an answer's end can call
+        inside the read.
+        """
+        if not CORK.active or type(self.transport) is not Server:
+            return False
+        held = self._held
+        if held is None:
+            self._held = [data]
+            CORK.holding(self)
+        else:
+            held.append(data)
+        return True
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            data = held[0] if len(held) == 1 else b"".join(held)
+            if not _send_now(self.transport, data):
+                HTTPChannel.write(self, data)
+
     def write(self, data: bytes) -> None:
-        if not (self.send_at_once and _send_now(self.transport, data)):
+        if not self._hold(data):
             HTTPChannel.write(self, data)
 
     def writeSequence(self, iovec: Iterable[bytes]) -> None:
-        if not (self.send_at_once and _send_now(self.transport, b"".join(iovec))):
+        if not (CORK.active and self._hold(b"".join(iovec))):
             HTTPChannel.writeSequence(self, iovec)
 
-    def requestDone(self, request: Request) -> None:
-        self.send_at_once = False
-        HTTPChannel.requestDone(self, request)
+    def writeHeaders(
+        self, version: bytes, code: bytes, reason: bytes, headers: Any
+    ) -> None:
+        if not (
+            CORK.active
+            and type(self.transport) is Server
+            and isinstance(headers, Headers)
+        ):
+            HTTPChannel.writeHeaders(self, version, code, reason, headers)
+            return
+        # HTTPChannel.writeHeaders, into the held bytes rather than straight
+        # to the transport (which would put the head behind the body).
+        head = [version, b" ", code, b" ", reason, b"\r\n"]
+        for name, values in headers.getAllRawHeaders():
+            for value in values:
+                head.extend((name, b": ", value, b"\r\n"))
+        head.append(b"\r\n")
+        self._hold(b"".join(head))
 
     def getHost(self) -> IAddress:
         # twisted.web asks for every request, and each ask is a getsockname

@@ -50,6 +50,7 @@ from zope.interface import implementer
 from nvproxy.discovery import InventoryClient
 from nvproxy.proxy.backendauth import KeyedAgent
 from nvproxy.proxy.chunked import coalesce_chunks
+from nvproxy.proxy.cork import CORK
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
 HOP_BY_HOP = frozenset(
@@ -275,6 +276,10 @@ class _ClientProtocol(HTTP11ClientProtocol):
             # chunked bodies handed on once per read, not once per chunk
             coalesce_chunks(self._parser)
         return answer
+
+    def dataReceived(self, data: bytes) -> None:
+        # What this read makes the facades write leaves at its end.
+        CORK.during(super().dataReceived, data)
 
     def _disconnectParser(self, reason: Failure) -> None:
         parser = self._parser
