@@ -13,18 +13,19 @@ so the output is plain JSON Lines.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import IO, Final
+from typing import IO, Any, Final
 
 import twisted.logger
 from twisted.logger import (
     FileLogObserver,
-    FilteringLogObserver,
     ILogFilterPredicate,
     ILogObserver,
     LogEvent,
@@ -68,17 +69,55 @@ def event_as_json_line(event: LogEvent) -> str:
     return json.dumps(record, default=str) + "\n"
 
 
+class _FileObserver(FileLogObserver):
+    """
+    Twisted's L{FileLogObserver}, which flushes after every event, except
+    inside L{batched}: there the lines are written and flushed once at its
+    end (the access lines of one reactor turn, one C{write} call).
+    """
+
+    def __call__(self, event: LogEvent) -> None:
+        text = self.formatEvent(event)
+        if text:
+            out = self._outFile
+            out.write(text if self._encoding is None else text.encode(self._encoding))
+            if _batch is None:
+                out.flush()
+            elif out not in _batch:
+                _batch.append(out)
+
+
+_batch: list[IO[Any]] | None = None
+"""The files written to inside L{batched}, to flush at its end."""
+
+
+@contextlib.contextmanager
+def batched() -> Iterator[None]:
+    """Flush what the log observers write inside this once, at its end."""
+    global _batch
+    if _batch is not None:
+        yield
+        return
+    _batch = []
+    try:
+        yield
+    finally:
+        files, _batch = _batch, None
+        for out in files:
+            out.flush()
+
+
 def json_observer(out: IO[str] | None = None) -> ILogObserver:
     """
     An observer writing one JSON object per line to C{out} (stdout).
     """
     stream = out if out is not None else sys.stdout
-    return FileLogObserver(stream, event_as_json_line)
+    return _FileObserver(stream, event_as_json_line)
 
 
 def text_observer(out: IO[str] | None = None) -> ILogObserver:
     stream = out if out is not None else sys.stdout
-    return FileLogObserver(stream, event_as_text_line)
+    return _FileObserver(stream, event_as_text_line)
 
 
 def _message(event: LogEvent) -> str:
@@ -131,6 +170,10 @@ LEVELS: Final = ("debug", "info", "warn", "error", "critical")
 
 _level = LogLevelFilterPredicate(defaultLogLevel=LogLevel.info)
 _debug_shown = False
+_shown: frozenset[LogLevel] = frozenset(
+    level for level in LogLevel.iterconstants() if level >= LogLevel.info
+)
+"""The levels the output shows (L{set_level}): one set lookup per event."""
 
 
 class Logger(twisted.logger.Logger):
@@ -188,8 +231,9 @@ def set_level(level: str) -> None:
     # defaultLogLevel only when it is built (or cleared): set both.
     _level.defaultLogLevel = new
     _level.setLogLevelForNamespace("", new)
-    global _debug_shown
+    global _debug_shown, _shown
     _debug_shown = new is LogLevel.debug
+    _shown = frozenset(level for level in LogLevel.iterconstants() if level >= new)
 
 
 def current_level() -> str:
@@ -223,12 +267,35 @@ class _QuietPorts:
 _quiet_ports = _QuietPorts()
 
 
+@implementer(ILogObserver)
+class _LevelFiltered:
+    """
+    Twisted's C{FilteringLogObserver} with C{[_level, _quiet_ports]}, in one
+    call: an event without a level or a namespace, or below the level of
+    the output, is dropped (as L{LogLevelFilterPredicate} drops it; nvproxy
+    sets one level for every namespace), and so is the port chatter.
+    """
+
+    def __init__(self, observer: ILogObserver) -> None:
+        self._observer = observer
+
+    def __call__(self, event: LogEvent) -> None:
+        if event.get("log_level") not in _shown or not event.get("log_namespace"):
+            return
+        if _quiet_ports(event) is PredicateResult.no:
+            return
+        trace = event.get("log_trace")
+        if trace is not None:
+            trace.append((self, self._observer))
+        self._observer(event)
+
+
 def level_filtered(observer: ILogObserver) -> ILogObserver:
     """
     C{observer} behind the process-wide level filter that L{set_level}
     changes.
     """
-    return FilteringLogObserver(observer, [_level, _quiet_ports])
+    return _LevelFiltered(observer)
 
 
 class ReopenableFile:

@@ -12,7 +12,7 @@ import sys
 
 from attrs import evolve
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import ILogObserver, Logger, globalLogPublisher
+from twisted.logger import ILogObserver, Logger, LogLevel, globalLogPublisher
 from twisted.python.reflect import namedAny
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -47,6 +47,54 @@ class _LevelTestCase(SynchronousTestCase):
             getattr(log, name)("event at {name}", name=name)
 
 
+class _CountingFile(io.StringIO):
+    flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
+class BatchTests(SynchronousTestCase):
+    """L{logs.batched}: lines written inside it are flushed once, at its end."""
+
+    def test_flushed_per_event_outside(self) -> None:
+        out = _CountingFile()
+        log = Logger(namespace="nvproxy.test", observer=text_observer(out))
+        log.info("one")
+        log.info("two")
+        self.assertEqual(out.flushes, 2)
+
+    def test_flushed_once_inside(self) -> None:
+        out, other = _CountingFile(), _CountingFile()
+        log = Logger(namespace="nvproxy.test", observer=text_observer(out))
+        log2 = Logger(namespace="nvproxy.test", observer=text_observer(other))
+        with logs.batched():
+            log.info("one")
+            log.info("two")
+            log2.info("three")
+            with logs.batched():
+                log.info("four")
+            self.assertEqual((out.flushes, other.flushes), (0, 0))
+        self.assertEqual((out.flushes, other.flushes), (1, 1))
+        self.assertEqual(len(out.getvalue().splitlines()), 3)
+        log.info("five")
+        self.assertEqual(out.flushes, 2)
+
+    def test_flushed_when_the_body_fails(self) -> None:
+        out = _CountingFile()
+        log = Logger(namespace="nvproxy.test", observer=text_observer(out))
+
+        def body() -> None:
+            with logs.batched():
+                log.info("one")
+                raise ZeroDivisionError
+
+        self.assertRaises(ZeroDivisionError, body)
+        self.assertEqual(out.flushes, 1)
+        self.assertIsNone(logs._batch)
+
+
 class LevelFilterTests(_LevelTestCase):
     def written(self, out: io.StringIO) -> list[str]:
         lines = out.getvalue().splitlines()
@@ -71,6 +119,38 @@ class LevelFilterTests(_LevelTestCase):
         self.emit_all(observer)
         self.assertEqual(self.written(out), ["error", "critical"])
         self.assertEqual(current_level(), "error")
+
+    def test_events_without_level_or_namespace_dropped(self) -> None:
+        """As Twisted's level predicate does: no level, or no namespace."""
+        set_level("debug")
+        out = io.StringIO()
+        observer = level_filtered(text_observer(out))
+        observer({"log_format": "no level", "log_namespace": "x", "log_time": 0.0})
+        observer({"log_format": "no namespace", "log_level": LogLevel.error})
+        observer(
+            {
+                "log_format": "shown",
+                "log_namespace": "x",
+                "log_level": LogLevel.error,
+                "log_time": 0.0,
+            }
+        )
+        self.assertEqual(self.written(out), ["shown"])
+
+    def test_port_chatter_dropped(self) -> None:
+        out = io.StringIO()
+        observer = level_filtered(text_observer(out))
+        for text in ("Site starting on 8080", "(TCP Port 8080 Closed)", "kept"):
+            observer(
+                {
+                    "log_namespace": "log_legacy",
+                    "log_level": LogLevel.info,
+                    "log_text": text,
+                    "log_format": "{log_text}",
+                    "log_time": 0.0,
+                }
+            )
+        self.assertEqual(self.written(out), ["kept"])
 
     def test_unknown_level(self) -> None:
         set_level("warn")

@@ -37,7 +37,7 @@ from typing import Any
 
 from attrs import frozen
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IAddress, IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.internet.tcp import Server
 from twisted.python.failure import Failure
@@ -51,7 +51,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from nvproxy.jsonhttp import json_bytes
-from nvproxy.logs import Logger
+from nvproxy.logs import Logger, batched
 from nvproxy.proxy.accesslog import emit
 from nvproxy.proxy.cork import CORK
 
@@ -505,7 +505,8 @@ class FacadeRequest(Request):
     _rejected = False
     _received_at: float | None = None
     _first_byte_at: float | None = None
-    _clock: IReactorTime
+    _logged = False
+    _access_to: FacadeSite
 
     def gotLength(self, length: int | None) -> None:
         limit = _site(self).max_body if self.channel else None
@@ -547,26 +548,39 @@ class FacadeRequest(Request):
         self.requestHeaders.removeHeader(b"content-type")
         site = _site(self)
         if site.access_log:
-            # The channel is gone by the end: keep its clock.
-            self._clock = site.reactor
-            self._received_at = self._clock.seconds()
-            self.notifyFinish().addCallbacks(
-                lambda _: self._access(True), lambda _: self._access(False)
-            )
+            # The channel is gone by the end: keep its site.
+            self._access_to = site
+            self._received_at = site.reactor.seconds()
         Request.requestReceived(self, command, origin_form(path), version)
 
     def write(self, data: bytes) -> None:
         if self._first_byte_at is None and self._received_at is not None:
-            self._first_byte_at = self._clock.seconds()
+            self._first_byte_at = self._access_to.reactor.seconds()
         Request.write(self, data)
 
-    def _access(self, completed: bool) -> None:
+    def finish(self) -> None:
+        Request.finish(self)
+        if self._received_at is not None:
+            self._ended(True)
+
+    def connectionLost(self, reason: Failure) -> None:
+        Request.connectionLost(self, reason)
+        if self._received_at is not None and not self.finished:
+            self._ended(False)
+
+    def _ended(self, completed: bool) -> None:
+        """The response is finished, or the client went away before."""
+        if self._logged:
+            return
+        self._logged = True
+        site = self._access_to
         assert self._received_at is not None
-        ended = self._clock.seconds()
-        # A proxy error finishes the response inside the dispatcher's call:
-        # the facade notes the job's node and attempts just after.
-        self._clock.callLater(
-            0, emit, self, self._received_at, self._first_byte_at, ended, completed
+        site.access_later(
+            self,
+            self._received_at,
+            self._first_byte_at,
+            site.reactor.seconds(),
+            completed,
         )
 
     def process(self) -> None:
@@ -645,6 +659,32 @@ class FacadeSite(GuardedSite):
         self.access_log = access_log
         self.channels: set[_CountedChannel] = set()
         self.closed_waiters: list[Deferred[None]] = []
+        self._access_lines: list[tuple[Any, float, float | None, float, bool]] = []
+
+    def access_later(
+        self,
+        request: Any,
+        received_at: float,
+        first_byte_at: float | None,
+        ended_at: float,
+        completed: bool,
+    ) -> None:
+        """
+        Log C{request}'s access line on the next reactor turn, with every
+        other line of this turn (one timer, one write for them all).  Not at
+        once: a proxy error finishes the response inside the dispatcher's
+        call, and the facade notes the job's node and attempts just after.
+        """
+        lines = self._access_lines
+        lines.append((request, received_at, first_byte_at, ended_at, completed))
+        if len(lines) == 1:
+            self.reactor.callLater(0, self._write_access_lines)
+
+    def _write_access_lines(self) -> None:
+        lines, self._access_lines = self._access_lines, []
+        with batched():
+            for line in lines:
+                emit(*line)
 
     def close_connections(self) -> Deferred[None]:
         """
