@@ -120,7 +120,8 @@ class StatsMeter:
         self._dialect = dialect
         self._limit = tail_bytes
         self._tail = bytearray()
-        self._head = bytearray()
+        self._head: bytearray | None = bytearray()
+        self._role_opening = False
         self._total = 0
         self._events = 0
         self._newlines = 0
@@ -164,8 +165,11 @@ class StatsMeter:
             self._first = now
         self._last = now
         head = self._head
-        if len(head) < HEAD_BYTES:
-            head += chunk[: HEAD_BYTES - len(head)]
+        if head is not None and len(head) < HEAD_BYTES:
+            start = len(head)
+            head += chunk[: HEAD_BYTES - start]
+            if b"\n" in chunk:
+                self._decide_opening(head)
         self._total += len(chunk)
         self._newlines += chunk.count(b"\n")
         # A match spanning the boundary starts in the carry and ends in the chunk;
@@ -195,8 +199,18 @@ class StatsMeter:
         self._finished = True
         self._result = self._measure()
         self._tail = bytearray()
-        self._head = bytearray()
+        self._head = None
         return self._result
+
+    def _decide_opening(self, head: bytearray) -> None:
+        """
+        Settle the first event as soon as its line is complete, and let the
+        head go: a long stream then holds only its tail (a stream's memory).
+        """
+        found, record = _first_complete_event(head)
+        if found:
+            self._role_opening = _role_only(record)
+            self._head = None
 
     def _measure(self) -> Stats | None:
         ttft: int | None = None
@@ -248,7 +262,12 @@ class StatsMeter:
     def _count(self, tally: _Tally, sse: bool) -> int | None:
         if sse:
             tokenless = tally.tokenless
-            if _role_only(_first_event(bytes(self._head), self._total)):
+            head = self._head
+            if (
+                self._role_opening
+                if head is None
+                else _role_only(_first_event(bytes(head), self._total))
+            ):
                 tokenless += 1
             return max(0, self._events - tally.done - tally.report_only - tokenless)
         if self._dialect != "ollama" or self._newlines == 0:
@@ -491,6 +510,21 @@ def _first_event(head: bytes, total: int) -> object:
         if stripped and not stripped.startswith((b"event:", b"id:", b"retry:", b":")):
             return None
     return None
+
+
+def _first_complete_event(head: bytes | bytearray) -> tuple[bool, object]:
+    """
+    Whether the body's first event line (as L{_first_event} finds it) is
+    complete in C{head}, and if so what L{_first_event} makes of it: more
+    bytes cannot change the answer.
+    """
+    for line in head.split(b"\n")[:-1]:
+        stripped = line.strip()
+        if stripped.startswith(b"data:"):
+            return True, _loads(bytes(stripped[5:].strip()))
+        if stripped and not stripped.startswith((b"event:", b"id:", b"retry:", b":")):
+            return True, None
+    return False, None
 
 
 def _carries_token(choice: dict[str, Any]) -> bool:

@@ -404,6 +404,26 @@ class StatsMeterTests(SynchronousTestCase):
         body = b": hi\nevent: x\n" + sse(ROLE_ONLY, *TOKENS[:3], FINISHING, "[DONE]")
         self.assertEqual(measure("openai", [body]), Stats(None, 3, None, 0, True))
 
+    def test_head_let_go_once_the_first_event_is_complete(self) -> None:
+        """
+        The head is kept only until the first event's line is complete (a
+        long stream holds its tail alone), and the role-only opening is
+        still discounted, whatever the split.
+        """
+        body = sse(ROLE_ONLY, *TOKENS[:3], FINISHING, "[DONE]")
+        for cut in (1, 10, len(sse(ROLE_ONLY)) - 2, len(sse(ROLE_ONLY)), 200):
+            meter = StatsMeter(Clock(), "openai")
+            meter.feed(body[:cut])
+            opening_done = b"\n" in body[:cut]
+            self.assertEqual(meter._head is None, opening_done, cut)
+            meter.feed(body[cut:])
+            self.assertIsNone(meter._head)
+            self.assertEqual(meter.finish(), Stats(None, 3, None, None, True), cut)
+        # An NDJSON stream's first record settles it too (nothing to discount).
+        meter = StatsMeter(Clock(), "ollama")
+        meter.feed(ndjson({"message": {"content": "a"}, "done": False}))
+        self.assertIsNone(meter._head)
+
     def test_fake_engine_streams_estimated_exactly(self) -> None:
         """
         Every fake dialect's OpenAI streams without usage are estimated at
