@@ -26,6 +26,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from nvproxy.engines import ENGINES
+from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.cork import CORK
 from nvproxy.proxy.listener import DemuxFactory
 from nvproxy.proxy.site import (
@@ -601,8 +602,8 @@ class SendNowTests(TestCase):
 class CorkTests(TestCase):
     """
     L{nvproxy.proxy.cork}: while an upstream read is handled, a facade
-    channel on a plain TCP connection holds what it writes, head included,
-    and sends it in one piece at the end of the read, in order.
+    channel holds what it writes, head included, and writes it in one piece
+    at the end of the read (or before a close), in order.
     """
 
     async def connection(self) -> tuple[Any, _Reader]:
@@ -720,20 +721,67 @@ class CorkTests(TestCase):
         self.assertTrue(reader.data.startswith(b"HTTP/1.0 200 OK\r\n"), reader.data)
         self.assertTrue(reader.data.endswith(b"\r\n\r\nok"), reader.data)
 
-    def test_tls_connections_not_held(self) -> None:
-        """
-        A TLS connection (a peer; here a StringTransport) drops what is
-        written after its C{loseConnection}: written at once, as before.
-        """
+    def tls(self) -> _Connection:
+        """A channel on a transport that, like TLS, drops writes once closing."""
         conn = _Connection(self, _facade_site(Clock()))
+        conn.transport = _ClosingDrops()
+        conn.channel.makeConnection(conn.transport)
+        return conn
+
+    def test_held_bytes_go_before_a_close(self) -> None:
+        """
+        A TLS connection (a peer) drops what is written after its
+        C{loseConnection}; an answer that closes its connection inside the
+        read has its held bytes written first.
+        """
+        conn = self.tls()
+
+        def read(data: bytes) -> None:
+            conn.channel.writeHeaders(b"HTTP/1.1", b"200", b"OK", Headers())
+            conn.channel.write(data)
+            self.assertEqual(conn.output(), b"")
+            conn.channel.loseConnection()
+
+        CORK.during(read, b"x")
+        self.assertEqual(conn.output(), b"HTTP/1.1 200 OK\r\n\r\nx")
+        self.assertTrue(conn.transport.disconnecting)
+
+    def test_cut_stream_frame_goes_before_the_close(self) -> None:
+        """L{ClientSide.cut} closes the transport itself: held bytes first."""
+        conn = self.tls()
+        client = ClientSide(_FakeRequest(conn.channel), lambda *args: b"")
 
         def read(data: bytes) -> None:
             conn.channel.write(data)
-            conn.channel.writeSequence([data])
-            conn.channel.writeHeaders(b"HTTP/1.1", b"200", b"OK", Headers())
-            self.assertEqual(conn.output(), b"xxHTTP/1.1 200 OK\r\n\r\n")
+            client.cut(b"frame", Clock())
 
-        CORK.during(read, b"x")
+        CORK.during(read, b"part ")
+        self.assertEqual(conn.output(), b"part frame")
+        self.assertTrue(conn.transport.disconnecting)
+
+
+class _ClosingDrops(StringTransport):
+    def write(self, data: bytes) -> None:
+        if not self.disconnecting:
+            super().write(data)
+
+    def writeSequence(self, seq: Any) -> None:
+        self.write(b"".join(seq))
+
+
+class _FakeRequest:
+    """What L{ClientSide.cut} uses of a request."""
+
+    finished = False
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+
+    def notifyFinish(self) -> Deferred[None]:
+        return Deferred()
+
+    def write(self, data: bytes) -> None:
+        self.channel.write(data)
 
 
 class _Trickler(Protocol):

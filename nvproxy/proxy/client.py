@@ -92,7 +92,13 @@ class ClientSide:
         self.aborted = True
         if frame is not None:
             self.request.write(frame)
-        transport = getattr(getattr(self.request, "channel", None), "transport", None)
+        channel = getattr(self.request, "channel", None)
+        flush = getattr(channel, "flush", None)
+        if flush is not None:
+            # Held for the end of this read (nvproxy.proxy.cork): it must
+            # reach the transport before the close below.
+            flush()
+        transport = getattr(channel, "transport", None)
         if transport is None:
             self.request.loseConnection()
             return

@@ -226,13 +226,8 @@ class _GuardedChannel(HTTPChannel):
         self._arm_deadline()
 
     def _hold(self, data: bytes) -> bool:
-        """
-        Keep C{data} for L{flush} if an upstream read is being handled and
-        this is a plain TCP connection: a TLS one (a peer) drops what is
-        written after its C{loseConnection}, which an answer's end can call
-        inside the read.
-        """
-        if not CORK.active or type(self.transport) is not Server:
+        """Keep C{data} for L{flush} if an upstream read is being handled."""
+        if not CORK.active:
             return False
         held = self._held
         if held is None:
@@ -253,6 +248,13 @@ class _GuardedChannel(HTTPChannel):
         if not self._hold(data):
             HTTPChannel.write(self, data)
 
+    def loseConnection(self) -> None:
+        # What is held goes first: a TLS connection (a peer) drops what is
+        # written after its loseConnection, which an answer's end (HTTP/1.0,
+        # Connection: close) calls inside the read.
+        self.flush()
+        HTTPChannel.loseConnection(self)
+
     def writeSequence(self, iovec: Iterable[bytes]) -> None:
         if not (CORK.active and self._hold(b"".join(iovec))):
             HTTPChannel.writeSequence(self, iovec)
@@ -260,11 +262,7 @@ class _GuardedChannel(HTTPChannel):
     def writeHeaders(
         self, version: bytes, code: bytes, reason: bytes, headers: Any
     ) -> None:
-        if not (
-            CORK.active
-            and type(self.transport) is Server
-            and isinstance(headers, Headers)
-        ):
+        if not (CORK.active and isinstance(headers, Headers)):
             HTTPChannel.writeHeaders(self, version, code, reason, headers)
             return
         # HTTPChannel.writeHeaders, into the held bytes rather than straight
@@ -451,7 +449,7 @@ class _GuardedChannel(HTTPChannel):
             self._abortingCall = self.site.reactor.callLater(
                 self.abortTimeout, self.forceAbortClient
             )
-        self.loseConnection()  # type: ignore[no-untyped-call]
+        self.loseConnection()
 
     def _peer(self) -> str:
         return str(self.transport.getPeer()) if self.transport else "?"
