@@ -49,8 +49,7 @@ class ClientSide:
         out = request.responseHeaders
         for name in (b"server", b"date", b"content-type"):
             out.removeHeader(name)
-        for name, values in end_to_end(headers).getAllRawHeaders():
-            out.setRawHeaders(name, list(values))
+        end_to_end(headers, into=out)
         rid = request_id(request)
         if rid is not None:
             # Ours, whatever the upstream answered with.

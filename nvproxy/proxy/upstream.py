@@ -69,18 +69,32 @@ HOP_BY_HOP = frozenset(
 )
 
 
-def end_to_end(headers: Headers, drop: frozenset[bytes] = frozenset()) -> Headers:
+_LISTED: dict[frozenset[bytes], frozenset[bytes]] = {}
+"""C{HOP_BY_HOP | drop} for each C{drop} in use (a handful, all constants)."""
+
+
+def end_to_end(
+    headers: Headers,
+    drop: frozenset[bytes] = frozenset(),
+    into: Headers | None = None,
+) -> Headers:
     """
     A copy of C{headers} without hop-by-hop headers (including those the
-    C{Connection} header names) and without C{drop}.
+    C{Connection} header names) and without C{drop}; written into C{into}
+    (over its headers of the same names) when given, else into new headers.
     """
-    listed = set(HOP_BY_HOP) | drop
-    for value in headers.getRawHeaders(b"connection", []):
-        for token in value.split(b","):
-            token = token.strip().lower()
-            if token:
-                listed.add(token)
-    out = Headers()
+    listed: frozenset[bytes] | set[bytes] | None = _LISTED.get(drop)
+    if listed is None:
+        listed = _LISTED[drop] = HOP_BY_HOP | drop
+    connection = headers.getRawHeaders(b"connection")
+    if connection:
+        listed = set(listed)
+        for value in connection:
+            for token in value.split(b","):
+                token = token.strip().lower()
+                if token:
+                    listed.add(token)
+    out = Headers() if into is None else into
     for name, values in headers.getAllRawHeaders():
         if name.lower() not in listed:
             out.setRawHeaders(name, list(values))
