@@ -14,7 +14,7 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
-from bench import native, procs, refs, report, run
+from bench import instructions, native, procs, refs, report, run
 from bench.load import Samples, Workload, _Body
 from nvproxy.testing.harness import Client
 
@@ -335,6 +335,25 @@ class ReportTests(SynchronousTestCase):
         rows = [_row("direct", "paced", delay_p50=math.nan)]
         labels = [f.label for f in report.figures(rows)]
         self.assertNotIn("paced c=32: chunk delay p50", labels)
+
+
+class InstructionsTests(SynchronousTestCase):
+    def test_totals_of_every_dump(self) -> None:
+        """The start-up dump (instrumentation off) and the measured one."""
+        work = Path(self.mktemp())
+        work.mkdir()
+        (work / "nvproxy.callgrind").write_text("events: Ir\ntotals: 0\n")
+        (work / "nvproxy.callgrind.1").write_text(
+            "events: Ir\nfl=x\n1 5\ntotals: 1234567\n"
+        )
+        (work / "rpr.callgrind.1").write_text("totals: 99\n")
+        self.assertEqual(
+            instructions.instructions_in(work, "nvproxy.callgrind"), 1234567
+        )
+
+    def test_without_valgrind(self) -> None:
+        self.patch(instructions.shutil, "which", lambda name: None)
+        self.assertEqual(instructions.main([]), 2)
 
 
 class PythonLoadTests(SynchronousTestCase):

@@ -1,0 +1,230 @@
+"""
+Instructions per request, counted by callgrind: nvproxy, Twisted's RPR and
+the bare Agent floor in front of the same compiled engine.
+
+CPU time on a shared machine moves 10-20 % from run to run, which hides a
+change of a few per cent.  The number of instructions a proxy process runs
+for a fixed number of requests hardly moves (0.2-1 %), so it shows such a
+change in one run.  It counts user space only: the kernel's share (system
+calls; RPR's new connection per request) is not in it, so it complements
+the CPU figures of L{bench.run}, it does not replace them.
+
+Each target runs under C{valgrind --tool=callgrind} with instrumentation off
+through start-up and a warm-up; it is switched on for exactly the measured
+requests (C{callgrind_control -i on/off}), then the counts are dumped::
+
+    python -m bench.instructions                      # chat c=8, all three
+    python -m bench.instructions --route stream --requests 20
+    python -m bench.instructions --only nvproxy --tree ../base   # A/B
+
+C{--tree DIR} runs nvproxy from another checkout (first on C{PYTHONPATH}),
+so two versions can be compared in the same minutes.  Under callgrind each
+process runs 20-50 times slower; a chat target takes about 20 s.  Needs
+C{valgrind} (Debian: C{apt-get install valgrind}) and C{gcc}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench import native
+from bench.procs import _toml_config
+
+TARGETS = ("nvproxy", "rpr", "agent")
+ROUTES = {
+    "chat": ("/api/chat", False),
+    "stream": ("/api/chat", True),
+    "sse": ("/v1/chat/completions", True),
+}
+MODEL = "bench-model"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _wait_listening(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/api/tags", timeout=5
+            ) as answer:
+                answer.read()
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"nothing answered on port {port} within {timeout:.0f}s")
+
+
+def _command(target: str, work: Path, port: int, upstream: int) -> list[str]:
+    if target == "nvproxy":
+        config = work / "nvproxy.toml"
+        config.write_text(
+            _toml_config(_free_port(), port, f"http://127.0.0.1:{upstream}", {})
+        )
+        twistd = shutil.which("twistd")
+        if twistd is None:
+            raise SystemExit("twistd is not on the PATH: install the project first")
+        return [twistd, "-n", "--pidfile=", "nvproxy", "--config", str(config)]
+    module = "bench.rpr" if target == "rpr" else "bench.agentfloor"
+    return ["-m", module, "--port", str(port), "--upstream", f"127.0.0.1:{upstream}"]
+
+
+def measure(
+    target: str,
+    route: str,
+    concurrency: int,
+    requests: int,
+    tree: str | None,
+    work: Path,
+) -> tuple[int, int]:
+    """Run C{target} under callgrind; (requests served, instructions)."""
+    engine_bin, loadgen = native.build("engine"), native.build("loadgen")
+    upstream, port = _free_port(), _free_port()
+    engine = subprocess.Popen(
+        [str(engine_bin), "--port", str(upstream), "--models", MODEL],
+        stdout=subprocess.DEVNULL,
+    )
+    out = work / f"{target}.callgrind"
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(tree).resolve()), env.get("PYTHONPATH")])
+        )
+    proxy = subprocess.Popen(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            *_command(target, work, port, upstream),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_listening(port, 180)
+        path, stream = ROUTES[route]
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": stream,
+            }
+        )
+
+        def load(per_connection: int) -> int:
+            done = subprocess.run(
+                [
+                    str(loadgen),
+                    "--url",
+                    f"http://127.0.0.1:{port}{path}",
+                    "--body",
+                    body,
+                    "--concurrency",
+                    str(concurrency),
+                    "--max-requests",
+                    str(per_connection),
+                    "--duration",
+                    "600",
+                    "--timeout",
+                    "120",
+                ],
+                check=True,
+                capture_output=True,
+            )
+            served: int = json.loads(done.stdout)["ok"]
+            return served
+
+        load(max(2, requests // 5))  # warm-up: pool, caches, first imports
+
+        def control(*flags: str) -> None:
+            subprocess.run(
+                ["callgrind_control", *flags, str(proxy.pid)],
+                check=True,
+                capture_output=True,
+            )
+
+        control("-i", "on")
+        served = load(requests)
+        control("-i", "off")
+        control("-d")
+    finally:
+        proxy.terminate()
+        engine.terminate()
+        proxy.wait(60)
+        engine.wait(10)
+    return served, instructions_in(work, out.name)
+
+
+def instructions_in(work: Path, name: str) -> int:
+    """The instructions counted in callgrind's dumps C{name}, C{name.1}, ..."""
+    total = 0
+    for dump in work.glob(f"{name}*"):
+        for line in dump.read_text().splitlines():
+            if line.startswith("totals:"):
+                total += int(line.split()[1])
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--route", choices=sorted(ROUTES), default="chat")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--requests", type=int, default=50, help="measured requests per connection"
+    )
+    parser.add_argument("--only", action="append", choices=TARGETS)
+    parser.add_argument("--tree", help="run nvproxy from this checkout")
+    args = parser.parse_args(argv)
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            print(f"{tool} not found (Debian: apt-get install valgrind)")
+            return 2
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="nvproxy-instr-") as work:
+        for target in args.only or TARGETS:
+            served, total = measure(
+                target,
+                args.route,
+                args.concurrency,
+                args.requests,
+                args.tree,
+                Path(work),
+            )
+            if served == 0:
+                print(f"{target}: no request served")
+                return 1
+            results[target] = total / served
+            print(
+                f"{target:8s} {args.route} c={args.concurrency}:"
+                f" {total / served / 1e6:.3f}M instructions per request"
+                f" ({served} requests)",
+                flush=True,
+            )
+    for reference in ("rpr", "agent"):
+        if "nvproxy" in results and reference in results:
+            print(
+                f"nvproxy/{reference}: {results['nvproxy'] / results[reference]:.2f}x"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
