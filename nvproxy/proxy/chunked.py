@@ -95,15 +95,14 @@ class CoalescingChunkedDecoder:
             # an extension, the last chunk, an error) is left to the loop
             # below, from the same position.
             match = _WHOLE_SIZE_LINE
-            while True:
-                found = match(buf, pos)
-                if found is None:
-                    break
+            ends = buf.startswith
+            append = pieces.append
+            while found := match(buf, pos):
                 start = found.end()
-                stop = start + int(found.group(1), 16)
-                if stop == start or buf[stop : stop + 2] != b"\r\n":
+                stop = start + int(found[1], 16)
+                if stop == start or not ends(b"\r\n", stop):
                     break
-                pieces.append(buf[start:stop])
+                append(buf[start:stop])
                 pos = stop + 2
         try:
             while pos < end:
