@@ -518,6 +518,15 @@ class _Reader(Protocol):
         self.closed.callback(None)
 
 
+async def _received(reader: _Reader, size: int) -> bytes:
+    """What C{reader} got once it has C{size} bytes (a bounded wait)."""
+    for _ in range(200):
+        if len(reader.data) >= size:
+            break
+        await deferLater(reactor, 0.005, lambda: None)
+    return reader.data
+
+
 class SendNowTests(TestCase):
     """
     L{_send_now}: on a plain TCP connection with nothing queued, bytes go to
@@ -542,27 +551,20 @@ class SendNowTests(TestCase):
         self.addCleanup(lambda: Deferred.fromCoroutine(close()))
         return transport, reader
 
-    async def received(self, reader: _Reader, size: int) -> bytes:
-        for _ in range(200):
-            if len(reader.data) >= size:
-                break
-            await deferLater(reactor, 0.005, lambda: None)
-        return reader.data
-
     async def test_sent_in_the_call(self) -> None:
         transport, reader = await self.connection()
         self.assertTrue(_send_now(transport, b"hello"))
         self.assertEqual((transport.dataBuffer, transport._tempDataLen), (b"", 0))
         # Not registered for writability: no poll round, no epoll_ctl.
         self.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
-        self.assertEqual(await self.received(reader, 5), b"hello")
+        self.assertEqual(await _received(reader, 5), b"hello")
 
     async def test_queued_bytes_go_first(self) -> None:
         transport, reader = await self.connection()
         transport.write(b"first ")
         self.assertFalse(_send_now(transport, b"second"))
         transport.write(b"second")
-        self.assertEqual(await self.received(reader, 12), b"first second")
+        self.assertEqual(await _received(reader, 12), b"first second")
 
     async def test_what_the_socket_does_not_take_is_queued(self) -> None:
         transport, reader = await self.connection()
@@ -570,7 +572,7 @@ class SendNowTests(TestCase):
         self.assertTrue(_send_now(transport, b"abcdefgh"))
         self.assertEqual(transport._tempDataBuffer, [b"defgh"])
         del transport.writeSomeData
-        self.assertEqual(await self.received(reader, 5), b"defgh")
+        self.assertEqual(await _received(reader, 5), b"defgh")
 
     async def test_lost_connection_takes_the_queue(self) -> None:
         transport, reader = await self.connection()
@@ -640,13 +642,6 @@ class CorkTests(TestCase):
         self.patch(transport, "writeSomeData", record)
         return sent
 
-    async def received(self, reader: _Reader, size: int) -> bytes:
-        for _ in range(200):
-            if len(reader.data) >= size:
-                break
-            await deferLater(reactor, 0.005, lambda: None)
-        return reader.data
-
     async def test_held_until_the_read_is_handled(self) -> None:
         channel, reader = await self.connection()
         sent = self.sends(channel.transport)
@@ -668,20 +663,20 @@ class CorkTests(TestCase):
         self.assertEqual(sent, [answer])
         self.assertNotIn(channel.transport, reactor.getWriters())  # type: ignore[attr-defined]
         self.assertFalse(CORK.active)
-        self.assertEqual(await self.received(reader, len(answer)), answer)
+        self.assertEqual(await _received(reader, len(answer)), answer)
 
     async def test_not_held_outside_a_read(self) -> None:
         channel, reader = await self.connection()
         channel.write(b"a")
         channel.writeSequence([b"b", b"c"])
         self.assertEqual(b"".join(channel.transport._tempDataBuffer), b"abc")
-        self.assertEqual(await self.received(reader, 3), b"abc")
+        self.assertEqual(await _received(reader, 3), b"abc")
 
     async def test_behind_what_is_queued(self) -> None:
         channel, reader = await self.connection()
         channel.transport.write(b"queued ")
         CORK.during(channel.write, b"held")
-        self.assertEqual(await self.received(reader, 11), b"queued held")
+        self.assertEqual(await _received(reader, 11), b"queued held")
 
     async def test_every_channel_flushed_even_when_the_read_fails(self) -> None:
         one, one_reader = await self.connection()
@@ -694,8 +689,8 @@ class CorkTests(TestCase):
 
         self.assertRaises(ZeroDivisionError, CORK.during, read, b"x")
         self.assertFalse(CORK.active)
-        self.assertEqual(await self.received(one_reader, 1), b"x")
-        self.assertEqual(await self.received(two_reader, 1), b"x")
+        self.assertEqual(await _received(one_reader, 1), b"x")
+        self.assertEqual(await _received(two_reader, 1), b"x")
 
     async def test_nested_read_leaves_the_flush_to_the_outer(self) -> None:
         channel, reader = await self.connection()
