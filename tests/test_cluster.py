@@ -23,7 +23,11 @@ from OpenSSL import SSL
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.interfaces import IListeningPort, IOpenSSLClientConnectionCreator
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IOpenSSLClientConnectionCreator,
+    ISSLTransport,
+)
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -635,6 +639,52 @@ class ServerTLSUnitTests(SynchronousTestCase):
         server = ServerTLS(ClusterState)
         self.assertFalse(server.peer_is_pinned(StringTransport()))
         self.assertIsNone(server.peer(StringTransport()))
+
+    def test_peer_fingerprint_once_per_connection(self) -> None:
+        """
+        A connection's certificate cannot change (TLS 1.3 only, no
+        renegotiation): its fingerprint is computed once, while whether it is
+        still pinned is asked on every request.
+        """
+        a, b = make_dir(self, "node-a").load(), make_dir(self, "node-b").load()
+        transport = _CertificateTransport(b.identity.certificate)
+        other = _CertificateTransport(a.identity.certificate)
+        expected = Fingerprint.of(b.identity.certificate)
+        self.assertEqual(peer_fingerprint(transport), expected)
+        self.assertEqual(peer_fingerprint(transport), expected)
+        self.assertEqual(transport.asked, 1)
+        self.assertEqual(
+            peer_fingerprint(other), Fingerprint.of(a.identity.certificate)
+        )
+        current = [ClusterState(a.identity, (Peer("node-b", "127.0.0.1", expected),))]
+        server = ServerTLS(lambda: current[0])
+        self.assertTrue(server.peer_is_pinned(transport))
+        current[0] = ClusterState(a.identity, ())
+        self.assertFalse(server.peer_is_pinned(transport))
+        self.assertEqual(transport.asked, 1)
+
+    def test_no_certificate_yet_not_remembered(self) -> None:
+        a = make_dir(self, "node-a").load()
+        transport = _CertificateTransport(None)
+        self.assertIsNone(peer_fingerprint(transport))
+        transport.certificate = a.identity.certificate
+        self.assertEqual(
+            peer_fingerprint(transport), Fingerprint.of(a.identity.certificate)
+        )
+
+
+@implementer(ISSLTransport)
+class _CertificateTransport(StringTransport):
+    """A TLS transport as far as L{peer_fingerprint} looks, counting asks."""
+
+    def __init__(self, certificate: x509.Certificate | None) -> None:
+        super().__init__()
+        self.certificate = certificate
+        self.asked = 0
+
+    def getPeerCertificate(self) -> x509.Certificate | None:
+        self.asked += 1
+        return self.certificate
 
 
 # -- real TLS on loopback ------------------------------------------------------------

@@ -14,6 +14,8 @@ resumption, so every connection is a full, pin-checked handshake.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -88,18 +90,36 @@ def _context(identity: Identity | None, verify: _VerifyCallback) -> SSL.Context:
     return context
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary[object, Fingerprint] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each open TLS connection's peer fingerprint, computed once."""
+
+
 def peer_fingerprint(transport: object) -> Fingerprint | None:
     """
     The fingerprint of the certificate the peer presented on C{transport} (e.g. a
     twisted.web C{request.transport}), or L{None} if it is not TLS or had none.
+
+    Computed once per connection (an encoding and a hash, per request before):
+    the contexts here speak TLS 1.3 only, which has no renegotiation, so a
+    connection's peer certificate never changes.  Whether that fingerprint is
+    still pinned is for the caller to ask each time.
     """
+    try:
+        return _FINGERPRINTS[transport]
+    except (KeyError, TypeError):
+        pass
     if not ISSLTransport.providedBy(transport):
         return None
     certificate = transport.getPeerCertificate()
     if isinstance(certificate, crypto.X509):
         certificate = certificate.to_cryptography()
     if isinstance(certificate, x509.Certificate):
-        return Fingerprint.of(certificate)
+        fingerprint = Fingerprint.of(certificate)
+        with contextlib.suppress(TypeError):
+            _FINGERPRINTS[transport] = fingerprint
+        return fingerprint
     return None
 
 
