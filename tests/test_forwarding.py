@@ -157,19 +157,23 @@ class _Collect(Protocol):
 
 
 class ForwardingTests(ProxyTestCase):
-    async def test_ollama_streaming(self) -> None:
-        """
-        An Ollama streaming request passes through chunk by chunk, intact.
-        """
-        fake = await self.engine("ollama", ["llama3:latest"])
-        fake.default = Behaviour(chunks=20)
+    async def generate(self, fake: FakeEngine) -> list[Any]:
+        """An Ollama /api/generate stream through a proxy for C{fake}: its records."""
         proxy = await self.proxy({"ollama": fake.url})
         code, headers, body = await self.post(
             facade_url(proxy, "ollama") + "/api/generate",
             {"model": "llama3", "prompt": "hello"},
         )
         self.assertEqual(code, 200)
-        lines = [json.loads(line) for line in body.splitlines()]
+        return [json.loads(line) for line in body.splitlines()]
+
+    async def test_ollama_streaming(self) -> None:
+        """
+        An Ollama streaming request passes through chunk by chunk, intact.
+        """
+        fake = await self.engine("ollama", ["llama3:latest"])
+        fake.default = Behaviour(chunks=20)
+        lines = await self.generate(fake)
         self.assertEqual(len(lines), 21)
         self.assertTrue(lines[-1]["done"])
         self.assertEqual(lines[-1]["eval_count"], 20)
@@ -194,13 +198,7 @@ class ForwardingTests(ProxyTestCase):
         self.patch(site, "_send_now", spy)
         fake = await self.engine("ollama", ["llama3:latest"])
         fake.default = Behaviour(chunks=8, chunk_interval=0.01)
-        proxy = await self.proxy({"ollama": fake.url})
-        code, headers, body = await self.post(
-            facade_url(proxy, "ollama") + "/api/generate",
-            {"model": "llama3", "prompt": "hello"},
-        )
-        self.assertEqual(code, 200)
-        lines = [json.loads(line) for line in body.splitlines()]
+        lines = await self.generate(fake)
         self.assertEqual(len(lines), 9)
         self.assertTrue(lines[-1]["done"])
         # The head with the first part, then each part, in its framing.
