@@ -166,8 +166,7 @@ class StatsMeter:
         self._last = now
         head = self._head
         if head is not None and len(head) < HEAD_BYTES:
-            start = len(head)
-            head += chunk[: HEAD_BYTES - start]
+            head += chunk[: HEAD_BYTES - len(head)]
             if b"\n" in chunk:
                 self._decide_opening(head)
         self._total += len(chunk)
@@ -503,13 +502,7 @@ def _first_event(head: bytes, total: int) -> object:
     lines = head.split(b"\n")
     if len(head) < total:
         lines = lines[:-1]  # the last line may go on past the head
-    for line in lines:
-        stripped = line.strip()
-        if stripped.startswith(b"data:"):
-            return _loads(stripped[5:].strip())
-        if stripped and not stripped.startswith((b"event:", b"id:", b"retry:", b":")):
-            return None
-    return None
+    return _opening(lines)[1]
 
 
 def _first_complete_event(head: bytes | bytearray) -> tuple[bool, object]:
@@ -518,7 +511,16 @@ def _first_complete_event(head: bytes | bytearray) -> tuple[bool, object]:
     complete in C{head}, and if so what L{_first_event} makes of it: more
     bytes cannot change the answer.
     """
-    for line in head.split(b"\n")[:-1]:
+    return _opening(head.split(b"\n")[:-1])
+
+
+def _opening(lines: list[bytes] | list[bytearray]) -> tuple[bool, object]:
+    """
+    Among C{lines}, the first that settles the opening event: a C{data:}
+    line (its payload decoded) or any other line that is not an SSE field or
+    comment (C{None}); whether one did.
+    """
+    for line in lines:
         stripped = line.strip()
         if stripped.startswith(b"data:"):
             return True, _loads(bytes(stripped[5:].strip()))

@@ -29,7 +29,7 @@ from attrs import define
 from nvproxy.logs import Logger, clip
 from nvproxy.proxy.requestid import request_id
 
-__all__ = ["ACCESS_FIELDS", "AccessRecord", "access_of", "emit"]
+__all__ = ["ACCESS_FIELDS", "AccessLine", "AccessRecord", "access_of", "emit"]
 
 log = Logger(namespace="nvproxy.access")
 
@@ -71,6 +71,10 @@ def access_of(request: Any) -> AccessRecord:
         record = AccessRecord()
         request.access = record
     return record
+
+
+AccessLine = tuple[Any, float, float | None, float, bool]
+"""L{emit}'s arguments for one request, kept until the line is written."""
 
 
 def _ms(start: float | None, end: float | None) -> int | None:

@@ -13,7 +13,8 @@ that poll reported (a burst of other streams' chunks is read, all of it,
 before any is sent).
 
 So while an upstream read is handled (L{Cork.during}), a facade channel holds
-what it is asked to write (L{Holder.hold}); when the read has been handled,
+what it is asked to write and tells the cork (L{Cork.holding}); when the read
+has been handled,
 each holder that held something is told to flush (L{Holder.flush}) and hands
 it to its socket in one call, or queues it behind what is already queued
 (L{nvproxy.proxy.site._send_now}).  Nothing waits for anything but the end

@@ -52,7 +52,7 @@ from twisted.web.server import Request, Site
 
 from nvproxy.jsonhttp import json_bytes
 from nvproxy.logs import Logger, batched
-from nvproxy.proxy.accesslog import emit
+from nvproxy.proxy.accesslog import AccessLine, emit
 from nvproxy.proxy.cork import CORK
 
 log = Logger()
@@ -574,11 +574,13 @@ class FacadeRequest(Request):
         site = self._access_to
         assert self._received_at is not None
         site.access_later(
-            self,
-            self._received_at,
-            self._first_byte_at,
-            site.reactor.seconds(),
-            completed,
+            (
+                self,
+                self._received_at,
+                self._first_byte_at,
+                site.reactor.seconds(),
+                completed,
+            )
         )
 
     def process(self) -> None:
@@ -657,24 +659,18 @@ class FacadeSite(GuardedSite):
         self.access_log = access_log
         self.channels: set[_CountedChannel] = set()
         self.closed_waiters: list[Deferred[None]] = []
-        self._access_lines: list[tuple[Any, float, float | None, float, bool]] = []
+        self._access_lines: list[AccessLine] = []
 
-    def access_later(
-        self,
-        request: Any,
-        received_at: float,
-        first_byte_at: float | None,
-        ended_at: float,
-        completed: bool,
-    ) -> None:
+    def access_later(self, line: AccessLine) -> None:
         """
-        Log C{request}'s access line on the next reactor turn, with every
-        other line of this turn (one timer, one write for them all).  Not at
-        once: a proxy error finishes the response inside the dispatcher's
-        call, and the facade notes the job's node and attempts just after.
+        Log one request's access line (L{emit}'s arguments) on the next
+        reactor turn, with every other line of this turn (one timer, one
+        write for them all).  Not at once: a proxy error finishes the
+        response inside the dispatcher's call, and the facade notes the
+        job's node and attempts just after.
         """
         lines = self._access_lines
-        lines.append((request, received_at, first_byte_at, ended_at, completed))
+        lines.append(line)
         if len(lines) == 1:
             self.reactor.callLater(0, self._write_access_lines)
 
