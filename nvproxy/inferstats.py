@@ -5,7 +5,10 @@ Inference stats measured from a response body as it streams (spec §5.5).
 The body is never buffered. :meth:`StatsMeter.feed` does O(len(chunk)) work per
 chunk: it keeps a bounded tail window and a few counters (first-byte time, last-byte
 time, byte total, SSE ``data:`` events, newline-delimited records), and never parses
-JSON. :meth:`StatsMeter.finish` parses only the tail window, once:
+JSON. The window is the body's last ``tail_bytes``; once the body shows itself a
+stream of lines (an SSE event, or an NDJSON record on its first line) it keeps only
+the last :data:`TAIL_LINES` lines past a few KB, which is what an open stream costs.
+:meth:`StatsMeter.finish` parses only the tail window, once:
 
 * OpenAI ``usage`` (the last SSE event carrying it, or the non-streaming body);
 * Ollama's final record: ``prompt_eval_count`` / ``eval_count`` / ``eval_duration``;
@@ -46,6 +49,17 @@ Dialect = Literal["openai", "ollama", "llamacpp"]
 
 HEAD_BYTES = 2048
 """How much of the body's start is kept to recognise a role-only first event."""
+
+TAIL_LINES = 16
+"""
+How many lines a stream's window keeps at least: eight SSE events or
+sixteen NDJSON records, which hold an engine's report and the events the
+estimate discounts (its last event or the one before, the finishing chunks
+before them, C{[DONE]}).
+"""
+
+_TRIM_AT = 3072
+"""A stream's window is cut back to its last L{TAIL_LINES} lines past this."""
 
 _SSE_EVENT = b"\ndata:"
 _CARRY = len(_SSE_EVENT) - 1
@@ -119,6 +133,12 @@ class StatsMeter:
         self._clock = clock
         self._dialect = dialect
         self._limit = tail_bytes
+        # Until the body is known to be a stream of lines (SSE events or
+        # NDJSON records), its window is its last tail_bytes; a stream's
+        # window keeps only its last TAIL_LINES lines once past _TRIM_AT,
+        # what an open stream holds.
+        self._trim_at = tail_bytes
+        self._lined = False
         self._tail = bytearray()
         self._head: bytearray | None = bytearray()
         self._role_opening = False
@@ -179,6 +199,8 @@ class StatsMeter:
             self._carry = chunk[-_CARRY:]
         else:
             self._carry = (self._carry + chunk)[-_CARRY:]
+        if self._events and not self._lined:
+            self._lines_found()
         tail = self._tail
         if len(chunk) >= self._limit:
             tail[:] = chunk[-self._limit :]
@@ -187,6 +209,14 @@ class StatsMeter:
             excess = len(tail) - self._limit
             if excess > 0:
                 del tail[:excess]  # advances the buffer start; no copy
+        if len(tail) > self._trim_at:
+            del tail[: _lines_cut(tail)]
+            # long lines: not cut again at every chunk
+            self._trim_at = min(self._limit, max(_TRIM_AT, len(tail) + 1024))
+
+    def _lines_found(self) -> None:
+        self._lined = True
+        self._trim_at = min(self._limit, _TRIM_AT)
 
     def finish(self) -> Stats | None:
         """
@@ -196,6 +226,9 @@ class StatsMeter:
         if self._finished:
             return self._result
         self._finished = True
+        if self._lined:
+            # The window as if cut after the last chunk, whatever the split.
+            del self._tail[: _lines_cut(self._tail)]
         self._result = self._measure()
         self._tail = bytearray()
         self._head = None
@@ -210,6 +243,9 @@ class StatsMeter:
         if found:
             self._role_opening = _role_only(record)
             self._head = None
+            first = head[: head.find(b"\n")].strip()
+            if first.startswith(b"{") and first.endswith(b"}"):
+                self._lines_found()  # NDJSON: a whole record on its first line
 
     def _measure(self) -> Stats | None:
         ttft: int | None = None
@@ -492,6 +528,20 @@ def _tally(win: _Window) -> _Tally:
             break
     last_done = isinstance(last_value, dict) and last_value.get("done") is True
     return _Tally(done, report_only, tokenless, last_done)
+
+
+def _lines_cut(tail: bytearray) -> int:
+    """
+    Where a stream's window starts when it keeps its last L{TAIL_LINES}
+    lines: at the newline before them (a trimmed window's first line is
+    not read, L{_Window}), or 0 when it holds no more.
+    """
+    at = len(tail)
+    for _ in range(TAIL_LINES + 1):
+        at = tail.rfind(b"\n", 0, at)
+        if at <= 0:
+            return 0
+    return at
 
 
 def _first_event(head: bytes, total: int) -> object:

@@ -532,6 +532,67 @@ class StatsMeterTests(SynchronousTestCase):
         self.assertEqual(stats.completionTokens, blocks * events_per_block)
         self.assertTrue(stats.estimated)
 
+    def test_stream_window_keeps_last_lines(self) -> None:
+        """
+        An open stream holds only its last L{TAIL_LINES} lines once its
+        window passes a few KB, not the whole C{tail_bytes}: what each open
+        stream costs in memory.  The report and the estimate come out as
+        with the whole window.
+        """
+        token = openai_chunk("x" * 40)
+        cases: list[tuple[Dialect, list[bytes], bytes, Stats]] = [
+            (
+                "openai",
+                [sse(token)] * 300,
+                sse({"choices": [], "usage": USAGE}, "[DONE]"),
+                REPORTED,
+            ),
+            (
+                "openai",
+                [sse(token)] * 300,
+                sse(FINISHING, "[DONE]"),
+                Stats(None, 300, None, 0, True),
+            ),
+            (
+                "ollama",
+                [ndjson({"message": {"content": "x" * 40}, "done": False})] * 300,
+                ndjson(OLLAMA_FINAL),
+                OLLAMA_STATS,
+            ),
+        ]
+        for dialect, chunks, end, expected in cases:
+            meter = StatsMeter(Clock(), dialect, tail_bytes=8192)
+            meter.started()
+            largest = 0
+            for chunk in chunks:
+                meter.feed(chunk)
+                largest = max(largest, meter.window)
+            self.assertLessEqual(largest, 3072)
+            meter.feed(end)
+            self.assertEqual(meter.finish(), expected)
+            whole = measure(dialect, [b"".join(chunks) + end], tail_bytes=1 << 20)
+            self.assertEqual(whole, expected)
+
+    def test_document_window_not_cut_by_lines(self) -> None:
+        """
+        A document that is not a stream of lines (pretty-printed JSON) keeps
+        its whole window, so an answer below C{tail_bytes} is read whole.
+        """
+        answer = {
+            "choices": [{"message": {"content": "x"}, "finish_reason": "stop"}],
+            "padding": [f"line {n}" for n in range(300)],
+            "usage": USAGE,
+        }
+        body = json.dumps(answer, indent=2).encode()
+        self.assertGreater(body.count(b"\n"), 300)
+        self.assertLess(len(body), 8192)
+        meter = StatsMeter(Clock(), "openai", tail_bytes=8192)
+        meter.started()
+        for chunk in split(body, list(range(0, len(body), 100))):
+            meter.feed(chunk)
+        self.assertEqual(meter.window, len(body))
+        self.assertEqual(meter.finish(), REPORTED)
+
 
 _LINES = st.sampled_from(
     [
