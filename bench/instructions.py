@@ -95,6 +95,7 @@ def measure(
     """Run C{target} under callgrind; (requests served, instructions)."""
     engine_bin, loadgen = native.build("engine"), native.build("loadgen")
     upstream, port = _free_port(), _free_port()
+    command = _command(target, work, port, upstream)  # may exit: before spawning
     engine = subprocess.Popen(
         [str(engine_bin), "--port", str(upstream), "--models", MODEL],
         stdout=subprocess.DEVNULL,
@@ -112,7 +113,7 @@ def measure(
             "--instr-atstart=no",
             f"--callgrind-out-file={out}",
             sys.executable,
-            *_command(target, work, port, upstream),
+            *command,
         ],
         env=env,
         stdout=subprocess.DEVNULL,
