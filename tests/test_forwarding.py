@@ -727,6 +727,46 @@ class DialTests(TestCase):
             await d
 
 
+class AgentTests(SynchronousTestCase):
+    """
+    The data-path agent parses each URL once and sends what Twisted's would.
+    """
+
+    def test_request_line_and_host(self) -> None:
+        """
+        Two requests for the same URL share one parse; each goes to the URL's
+        host and port with its path and query as the request target and the
+        Host header Twisted computes, and a URL with another port gets its own.
+        """
+        from twisted.internet.testing import MemoryReactorClock, StringTransport
+
+        from nvproxy.proxy import upstream
+
+        memory = MemoryReactorClock()
+        agent = upstream.Upstream(memory, 7.0).agent
+        url = b"http://127.0.0.1:9/api/chat?x=1"
+        sent = []
+        for target in (url, url, b"http://127.0.0.1:10/api/tags"):
+            agent.request(b"POST", target)
+            factory = memory.tcpClients[-1][2]
+            transport = StringTransport()
+            factory.buildProtocol(None).makeConnection(transport)
+            sent.append(transport.value())
+        self.assertEqual(
+            [(host, port) for host, port, *_ in memory.tcpClients],
+            [("127.0.0.1", 9), ("127.0.0.1", 9), ("127.0.0.1", 10)],
+        )
+        for raw, line, host in (
+            (sent[0], b"POST /api/chat?x=1 HTTP/1.1", b"127.0.0.1:9"),
+            (sent[1], b"POST /api/chat?x=1 HTTP/1.1", b"127.0.0.1:9"),
+            (sent[2], b"POST /api/tags HTTP/1.1", b"127.0.0.1:10"),
+        ):
+            head = raw.split(b"\r\n")
+            self.assertEqual(head[0], line)
+            self.assertIn(b"Host: " + host, head)
+        self.assertIs(upstream._parsed(url), upstream._parsed(url))
+
+
 class _Recorder(Protocol):
     def __init__(self) -> None:
         self.data = b""
