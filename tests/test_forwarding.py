@@ -766,6 +766,37 @@ class AgentTests(SynchronousTestCase):
             self.assertIn(b"Host: " + host, head)
         self.assertIs(upstream._parsed(url), upstream._parsed(url))
 
+    def test_host_values(self) -> None:
+        """
+        The Host value is Twisted's: the port unless it is the scheme's
+        default, an IPv6 literal in brackets; the caller's headers are left
+        as they were.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.web.client import Agent
+        from twisted.web.http_headers import Headers
+
+        from nvproxy.proxy import upstream
+
+        twisted = Agent(None)  # type: ignore[no-untyped-call]
+        for url in (
+            b"http://127.0.0.1:9/x",
+            b"http://127.0.0.1/x",
+            b"https://node.example:443/x",
+            b"https://node.example:8443/x",
+            b"http://[::1]:9/x",
+        ):
+            parsed, _, host = upstream._parsed(url)
+            expected = twisted._computeHostValue(  # type: ignore[no-untyped-call]
+                parsed.scheme, parsed.host, parsed.port
+            )
+            self.assertEqual(host, expected)
+        given = Headers({b"x-a": [b"1"]})
+        upstream.Upstream(MemoryReactorClock(), 7.0).agent.request(
+            b"GET", b"http://127.0.0.1:9/x", given
+        )
+        self.assertEqual(list(given.getAllRawHeaders()), [(b"X-A", [b"1"])])
+
 
 class _Recorder(Protocol):
     def __init__(self) -> None:
