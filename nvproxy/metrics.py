@@ -10,13 +10,20 @@ never per chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import attrs
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from twisted.internet.interfaces import IReactorTime
 
 from nvproxy.dispatch import JobOutcome
@@ -63,6 +70,129 @@ VLLM_STATES = ("unknown", "awake", "asleep", "waking", "sleeping", "down", "stop
 
 KnownModel = Callable[[str, str], bool]
 """(engine, model) -> whether some node advertises the model."""
+
+
+class _Value:
+    """A counter's or gauge's series: a float, no lock (one thread)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+
+class _Buckets:
+    """A histogram's series: a count per bucket (the last is C{+Inf}), a sum."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        # The first bucket whose upper bound is >= amount ("le").
+        self.counts[bisect_left(self._bounds, amount)] += 1
+        self.sum += amount
+
+
+_S = TypeVar("_S", _Value, _Buckets)
+
+
+class _Family(Generic[_S]):
+    """
+    A labelled metric updated on the request path.  prometheus_client's
+    own take a lock, check their state and (histograms) walk every bucket
+    on each update: 5 % of a request's instructions for a dozen updates.
+    These are plain fields, exposed through L{_Families} at scrape time in
+    the same text (without the client's C{_created} series).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        new: Callable[[], _S],
+    ) -> None:
+        self.kind = kind
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._new: Callable[[], _S] = new
+        self.series: dict[tuple[str, ...], _S] = {}
+
+    def labels(self, *values: str) -> _S:
+        found = self.series.get(values)
+        if found is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
+            found = self.series[tuple(str(v) for v in values)] = self._new()
+        return found
+
+
+def _counter(
+    name: str, documentation: str, labelnames: Sequence[str]
+) -> _Family[_Value]:
+    return _Family("counter", name, documentation, labelnames, _Value)
+
+
+def _gauge(name: str, documentation: str, labelnames: Sequence[str]) -> _Family[_Value]:
+    return _Family("gauge", name, documentation, labelnames, _Value)
+
+
+def _histogram(
+    name: str,
+    documentation: str,
+    labelnames: Sequence[str],
+    buckets: tuple[float, ...],
+) -> _Family[_Buckets]:
+    return _Family(
+        "histogram", name, documentation, labelnames, lambda: _Buckets(buckets)
+    )
+
+
+class _Families(Collector):
+    """Exposes L{_Family} metrics, in the order given, series in creation order."""
+
+    def __init__(self, families: Sequence[_Family[Any]]) -> None:
+        self._families = families
+
+    def describe(self) -> list[Metric]:
+        return [self._family(family, False) for family in self._families]
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield self._family(family, True)
+
+    def _family(self, family: _Family[Any], samples: bool) -> Metric:
+        labels = family.labelnames
+        out: Metric
+        if family.kind == "histogram":
+            histogram = HistogramMetricFamily(
+                family.name, family.documentation, labels=labels
+            )
+            for values, series in list(family.series.items()) if samples else ():
+                bounds = [*map(floatToGoString, series._bounds), "+Inf"]
+                total, cumulative = 0.0, []
+                for bound, count in zip(bounds, series.counts, strict=True):
+                    total += count
+                    cumulative.append((bound, total))
+                histogram.add_metric(list(values), cumulative, series.sum)
+            return histogram
+        maker = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+        out = maker(family.name, family.documentation, labels=labels)
+        for values, series in list(family.series.items()) if samples else ():
+            out.add_metric(list(values), series.value)
+        return out
 
 
 class _Reservations(Collector):
@@ -153,88 +283,93 @@ class Metrics:
     ) -> None:
         self.registry = registry
         self._known_model = known_model
-        self.requests = Counter(
+        self.requests = _counter(
             "nvproxy_requests",
             "Requests finished, by engine, route class, outcome, model, node and"
             " API key name",
             ["engine", "route", "outcome", "model", "node", "key"],
-            registry=registry,
         )
-        self.attempts = Counter(
+        self.attempts = _counter(
             "nvproxy_dispatch_attempts",
             "Upstream dispatches started",
             ["engine"],
-            registry=registry,
         )
-        self.failovers = Counter(
+        self.failovers = _counter(
             "nvproxy_failovers",
             "Dispatches after the first one of a request",
             ["engine"],
-            registry=registry,
         )
-        self.upstream_errors = Counter(
+        self.upstream_errors = _counter(
             "nvproxy_upstream_errors",
             "Failed attempts by kind (status, transport, no_content, target_lost)",
             ["engine", "kind"],
-            registry=registry,
         )
-        self.ttfb = Histogram(
+        self.ttfb = _histogram(
             "nvproxy_time_to_first_byte_seconds",
             "From admission to the first body byte relayed (the commit)",
             ["engine"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            _LATENCY_BUCKETS,
         )
-        self.duration = Histogram(
+        self.duration = _histogram(
             "nvproxy_request_duration_seconds",
             "From admission to the end of the response",
             ["engine", "model", "node"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            _LATENCY_BUCKETS,
         )
-        self.inflight = Gauge(
+        self.inflight = _gauge(
             "nvproxy_inflight_requests",
             "Requests being dispatched or streamed",
             ["engine"],
-            registry=registry,
         )
-        self.node_inflight = Gauge(
+        self.node_inflight = _gauge(
             "nvproxy_node_inflight_requests",
             "Requests dispatched to a node and not finished, from this process",
             ["engine", "node"],
-            registry=registry,
         )
-        self.ttft = Histogram(
+        self.ttft = _histogram(
             "nvproxy_time_to_first_token_seconds",
             "From admission to the first body byte of a committed inference"
             " answer below 400",
             ["engine", "model", "node"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            _LATENCY_BUCKETS,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = _counter(
             "nvproxy_prompt_tokens",
             "Prompt tokens of completed inference answers, as the engine reported",
             ["engine", "model", "node"],
-            registry=registry,
         )
-        self.completion_tokens = Counter(
+        self.completion_tokens = _counter(
             "nvproxy_completion_tokens",
             "Completion tokens of inference answers; estimated=true when counted"
             " from stream events for want of a usage report",
             ["engine", "model", "node", "estimated"],
-            registry=registry,
         )
-        self.tokens_per_second = Histogram(
+        self.tokens_per_second = _histogram(
             "nvproxy_tokens_per_second",
             "Decode rate of an inference answer (completion tokens per second"
             " after the first one)",
             ["engine", "model", "node"],
-            buckets=_TOKENS_PER_SECOND_BUCKETS,
-            registry=registry,
+            _TOKENS_PER_SECOND_BUCKETS,
+        )
+        registry.register(
+            _Families(
+                [
+                    self.requests,
+                    self.attempts,
+                    self.failovers,
+                    self.upstream_errors,
+                    self.ttfb,
+                    self.duration,
+                    self.inflight,
+                    self.node_inflight,
+                    self.ttft,
+                    self.prompt_tokens,
+                    self.completion_tokens,
+                    self.tokens_per_second,
+                ]
+            )
         )
         self._engine_children: dict[str, _EngineChildren] = {}
-        self._labelled: dict[tuple[int, tuple[str, ...]], Any] = {}
         if reservations is not None:
             registry.register(_Reservations(reservations))
         if outliers is not None:
@@ -267,17 +402,9 @@ class Metrics:
             self._engine_children[engine] = children
         return children
 
-    def child(self, metric: Any, *labels: str) -> Any:
-        """
-        C{metric.labels(*labels)}, looked up once per label set: the
-        client's own lookup validates and converts every label on every
-        call, several times per request.
-        """
-        key = (id(metric), labels)
-        found = self._labelled.get(key)
-        if found is None:
-            found = self._labelled[key] = metric.labels(*labels)
-        return found
+    def child(self, metric: _Family[_S], *labels: str) -> _S:
+        """C{metric}'s series for C{labels}, made on first use."""
+        return metric.labels(*labels)
 
     def observer(
         self,
@@ -294,10 +421,10 @@ class Metrics:
 
 @attrs.frozen
 class _EngineChildren:
-    attempts: Any
-    failovers: Any
-    inflight: Any
-    ttfb: Any
+    attempts: _Value
+    failovers: _Value
+    inflight: _Value
+    ttfb: _Buckets
 
 
 class RequestMetrics:
@@ -324,7 +451,7 @@ class RequestMetrics:
         self._started = clock.seconds()
         self._dispatches = 0
         self._node = ""
-        self._node_gauge: Any = None
+        self._node_gauge: _Value | None = None
         self._children.inflight.inc()
 
     @property

@@ -183,6 +183,61 @@ class _Outcome:
         self.status = 200
 
 
+class MetricFamilyTests(SynchronousTestCase):
+    """
+    nvproxy's lock-free request metrics expose what prometheus_client's own
+    Counter, Gauge and Histogram do for the same updates (less the
+    client's C{_created} series).
+    """
+
+    def exposition(self, registry: CollectorRegistry) -> list[str]:
+        return [
+            line
+            for line in generate_latest(registry).decode().splitlines()
+            if "_created" not in line
+        ]
+
+    def test_same_text_as_prometheus_client(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        from nvproxy import metrics
+
+        buckets = (0.005, 0.5, 1.0, 60.0)
+        theirs, ours = CollectorRegistry(), CollectorRegistry()
+        counter = Counter("c", "A counter", ["a", "b"], registry=theirs)
+        gauge = Gauge("g", "A gauge", ["a"], registry=theirs)
+        histogram = Histogram(
+            "h", "A histogram", ["a"], buckets=buckets, registry=theirs
+        )
+        fast_counter = metrics._counter("c", "A counter", ["a", "b"])
+        fast_gauge = metrics._gauge("g", "A gauge", ["a"])
+        fast_histogram = metrics._histogram("h", "A histogram", ["a"], buckets)
+        ours.register(metrics._Families([fast_counter, fast_gauge, fast_histogram]))
+        self.assertEqual(self.exposition(ours), self.exposition(theirs))  # empty
+        for labels, amount in ((("x", "y"), 1.0), (("x", "z"), 2.5), (("x", "y"), 3.0)):
+            counter.labels(*labels).inc(amount)
+            fast_counter.labels(*labels).inc(amount)
+        for label, up, down in (("x", 3, 1), ("y", 1, 1)):
+            for _ in range(up):
+                gauge.labels(label).inc()
+                fast_gauge.labels(label).inc()
+            for _ in range(down):
+                gauge.labels(label).dec()
+                fast_gauge.labels(label).dec()
+        # On a bound, between bounds, below the first, above the last.
+        for label, amount in (("x", 0.005), ("x", 0.7), ("y", 0.0), ("x", 61.0)):
+            histogram.labels(label).observe(amount)
+            fast_histogram.labels(label).observe(amount)
+        self.assertEqual(self.exposition(ours), self.exposition(theirs))
+
+    def test_wrong_label_count_refused(self) -> None:
+        from nvproxy import metrics
+
+        family = metrics._counter("c", "A counter", ["a", "b"])
+        self.assertRaises(ValueError, family.labels, "x")
+        self.assertEqual(family.series, {})
+
+
 class MetricsUnitTests(SynchronousTestCase):
     def test_estimated_label(self) -> None:
         """
