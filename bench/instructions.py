@@ -18,7 +18,8 @@ requests (C{callgrind_control -i on/off}), then the counts are dumped::
     python -m bench.instructions --only nvproxy --tree ../base   # A/B
 
 C{--tree DIR} runs nvproxy from another checkout (first on C{PYTHONPATH}),
-so two versions can be compared in the same minutes.  Under callgrind each
+so two versions can be compared in the same minutes; C{--keep DIR} keeps
+the dumps for C{callgrind_annotate}.  Under callgrind each
 process runs 20-50 times slower; a chat target takes about 20 s.  Needs
 C{valgrind} (Debian: C{apt-get install valgrind}) and C{gcc}.
 """
@@ -26,6 +27,7 @@ C{valgrind} (Debian: C{apt-get install valgrind}) and C{gcc}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -193,13 +195,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", action="append", choices=TARGETS)
     parser.add_argument("--tree", help="run nvproxy from this checkout")
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="write the callgrind dumps to DIR and keep them (callgrind_annotate)",
+    )
     args = parser.parse_args(argv)
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             print(f"{tool} not found (Debian: apt-get install valgrind)")
             return 2
     results: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="nvproxy-instr-") as work:
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            work = args.keep
+            Path(work).mkdir(parents=True, exist_ok=True)
+        else:
+            work = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="nvproxy-instr-")
+            )
         for target in args.only or TARGETS:
             served, total = measure(
                 target,
