@@ -187,7 +187,7 @@ class StatsMeter:
         head = self._head
         if head is not None and len(head) < HEAD_BYTES:
             head += chunk[: HEAD_BYTES - len(head)]
-            if b"\n" in chunk:
+            if chunk.find(b"\n") >= 0:  # not "in", which tries an int first
                 self._decide_opening(head)
         self._total += len(chunk)
         self._newlines += chunk.count(b"\n")
@@ -397,7 +397,7 @@ class _Window:
         """Where C{pattern} matches in the whole window (searched once)."""
         where = self._found.get(pattern)
         if where is None:
-            if pattern is _ESCAPE and b"\\" not in self.window:
+            if pattern is _ESCAPE and self.window.find(b"\\") < 0:
                 where = []  # one memchr, where the search is a slow scan
             else:
                 where = [match.start() for match in pattern.finditer(self.window)]
@@ -491,9 +491,9 @@ def _may_count(line: bytes) -> bool:
     are none of these, and are not decoded.
     """
     return (
-        b"\\u" in line
-        or b'"usage"' in line
-        or b'"stop"' in line
+        line.find(b"\\u") >= 0
+        or line.find(b'"usage"') >= 0
+        or line.find(b'"stop"') >= 0
         or line.count(b'"finish_reason"') != line.count(b'"finish_reason":null')
     )
 

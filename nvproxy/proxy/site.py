@@ -32,6 +32,7 @@ keep-alive connection, at the first byte the channel reads of it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -61,6 +62,11 @@ log = Logger()
 MAX_CHUNK_SIZE_DIGITS = 16
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+
+_bare_cr_lf = re.compile(rb"[\r\n]").search
+"""Whether a line holds a CR or LF.  Not C{b"\\r" in line}: a C{bytes}
+membership test tries its operand as an integer first, and raises and
+clears a C{TypeError} with a formatted message for every C{bytes} one."""
 
 _REASONS = {
     400: b"Bad Request",
@@ -131,7 +137,7 @@ def _chunk_size_error(line: bytes, complete: bool) -> str | None:
         rest = rest[:-1]
         if not rest and not digits:
             return "chunk size is not hexadecimal"
-    if b"\r" in rest or b"\n" in rest:
+    if _bare_cr_lf(rest):
         return "bare CR or LF in a chunk-size line"
     if (rest and not rest.startswith(b";")) or (not digits and (rest or complete)):
         return "chunk size is not hexadecimal"
@@ -296,7 +302,7 @@ class _GuardedChannel(HTTPChannel):
             return
         self._arm_deadline()
         limits = self.site.limits
-        if b"\r" in line or b"\n" in line:
+        if _bare_cr_lf(line):
             self._refuse(400, "bare CR or LF in the request head")
             return
         if not self._in_head:
@@ -340,7 +346,7 @@ class _GuardedChannel(HTTPChannel):
         if end >= 0:
             partial = partial[:end]
         awaited = partial[:-1] if partial.endswith(b"\r") else partial
-        if b"\r" in awaited or b"\n" in awaited:
+        if _bare_cr_lf(awaited):
             self._refuse(400, "bare CR or LF in the request head")
         elif not self._in_head:
             if len(awaited) > self.site.limits.max_request_line:
