@@ -190,11 +190,18 @@ class StatsMeter:
             if chunk.find(b"\n") >= 0:  # not "in", which tries an int first
                 self._decide_opening(head)
         self._total += len(chunk)
-        self._newlines += chunk.count(b"\n")
-        # A match spanning the boundary starts in the carry and ends in the chunk;
-        # neither 5-byte half can hold a whole 6-byte match on its own.
-        self._events += chunk.count(_SSE_EVENT)
-        self._events += (self._carry + chunk[:_CARRY]).count(_SSE_EVENT)
+        # Each count is a pass over the chunk, so only what can still matter
+        # is counted: lines until the body shows an SSE event (they count an
+        # NDJSON body's records, never an SSE body's), events unless the body
+        # is NDJSON (lined without an event: a record holds no raw newline).
+        events = self._events
+        if not events:
+            self._newlines += chunk.count(b"\n")
+        if events or not self._lined:
+            # A match spanning the boundary starts in the carry and ends in the
+            # chunk; neither 5-byte half can hold a whole 6-byte match on its own.
+            events += chunk.count(_SSE_EVENT)
+            self._events = events + (self._carry + chunk[:_CARRY]).count(_SSE_EVENT)
         if len(chunk) >= _CARRY:
             self._carry = chunk[-_CARRY:]
         else:
