@@ -135,7 +135,10 @@ class _Family(Generic[_S]):
         if found is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
-            found = self.series[tuple(str(v) for v in values)] = self._new()
+            key = tuple(str(v) for v in values)  # as the client converts them
+            found = self.series.get(key)
+            if found is None:
+                found = self.series[key] = self._new()
         return found
 
 

@@ -230,6 +230,19 @@ class MetricFamilyTests(SynchronousTestCase):
             fast_histogram.labels(label).observe(amount)
         self.assertEqual(self.exposition(ours), self.exposition(theirs))
 
+    def test_labels_converted_to_text(self) -> None:
+        """
+        Label values are text, as the client makes them: a number names the
+        same series as its text, every time.
+        """
+        from nvproxy import metrics
+
+        family = metrics._counter("c", "A counter", ["a"])
+        for _ in range(2):
+            family.labels(2).inc()  # type: ignore[arg-type]
+        family.labels("2").inc()
+        self.assertEqual({k: v.value for k, v in family.series.items()}, {("2",): 3.0})
+
     def test_wrong_label_count_refused(self) -> None:
         from nvproxy import metrics
 
