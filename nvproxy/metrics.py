@@ -183,7 +183,7 @@ class _Families(Collector):
             histogram = HistogramMetricFamily(
                 family.name, family.documentation, labels=labels
             )
-            for values, series in list(family.series.items()) if samples else ():
+            for values, series in family.series.items() if samples else ():
                 bounds = [*map(floatToGoString, series._bounds), "+Inf"]
                 total, cumulative = 0.0, []
                 for bound, count in zip(bounds, series.counts, strict=True):
@@ -193,7 +193,7 @@ class _Families(Collector):
             return histogram
         maker = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
         out = maker(family.name, family.documentation, labels=labels)
-        for values, series in list(family.series.items()) if samples else ():
+        for values, series in family.series.items() if samples else ():
             out.add_metric(list(values), series.value)
         return out
 
@@ -405,10 +405,6 @@ class Metrics:
             self._engine_children[engine] = children
         return children
 
-    def child(self, metric: _Family[_S], *labels: str) -> _S:
-        """C{metric}'s series for C{labels}, made on first use."""
-        return metric.labels(*labels)
-
     def observer(
         self,
         clock: IReactorTime,
@@ -473,7 +469,7 @@ class RequestMetrics:
         self._leave_node()
         self._node = node_id
         metrics = self._metrics
-        self._node_gauge = metrics.child(metrics.node_inflight, self._engine, node_id)
+        self._node_gauge = metrics.node_inflight.labels(self._engine, node_id)
         self._node_gauge.inc()
 
     def between_attempts(self) -> None:
@@ -485,9 +481,7 @@ class RequestMetrics:
         self._node = node_id
         if self._model and status < 400:
             metrics = self._metrics
-            metrics.child(metrics.ttft, self._engine, self._model, node_id).observe(
-                elapsed
-            )
+            metrics.ttft.labels(self._engine, self._model, node_id).observe(elapsed)
 
     def failed_attempt(self, kind: str) -> None:
         self._metrics.upstream_errors.labels(self._engine, kind).inc()
@@ -504,8 +498,7 @@ class RequestMetrics:
         # A committed stream cut short is its own outcome (its workload
         # state stays "completed", spec §1.1).
         label = "truncated" if outcome.reason == "truncated" else outcome.state
-        metrics.child(
-            metrics.requests,
+        metrics.requests.labels(
             engine,
             self._route,
             label,
@@ -514,19 +507,19 @@ class RequestMetrics:
             self._key,
         ).inc()
         elapsed = self._clock.seconds() - self._started
-        metrics.child(metrics.duration, engine, model, node).observe(elapsed)
+        metrics.duration.labels(engine, model, node).observe(elapsed)
         if stats is not None and model:
             if stats.promptTokens is not None:
-                metrics.child(metrics.prompt_tokens, engine, model, node).inc(
+                metrics.prompt_tokens.labels(engine, model, node).inc(
                     stats.promptTokens
                 )
             if stats.completionTokens is not None:
                 estimated = "true" if stats.estimated else "false"
-                metrics.child(
-                    metrics.completion_tokens, engine, model, node, estimated
-                ).inc(stats.completionTokens)
+                metrics.completion_tokens.labels(engine, model, node, estimated).inc(
+                    stats.completionTokens
+                )
             if stats.tokensPerSecond is not None:
-                metrics.child(metrics.tokens_per_second, engine, model, node).observe(
+                metrics.tokens_per_second.labels(engine, model, node).observe(
                     stats.tokensPerSecond
                 )
 

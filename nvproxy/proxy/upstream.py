@@ -16,7 +16,7 @@ from typing import IO, Any
 import treq
 from treq.client import HTTPClient
 from twisted.internet.abstract import isIPAddress, isIPv6Address
-from twisted.internet.defer import CancelledError, Deferred, fail, succeed
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.endpoints import (
     HostnameEndpoint,
     TCP4ClientEndpoint,
@@ -45,7 +45,6 @@ from twisted.web.client import (
     HTTPConnectionPool,
     _HTTP11ClientFactory,
 )
-from twisted.web.error import SchemeNotSupported
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
@@ -457,11 +456,8 @@ class _Agent(Agent):
         bodyProducer: IBodyProducer | None = None,
     ) -> Deferred[IResponse]:
         parsed, origin, host = _parsed(uri)
-        try:
-            endpoint = self._getEndpoint(parsed)  # type: ignore[no-untyped-call]
-        except SchemeNotSupported:
-            failed: Deferred[IResponse] = fail()
-            return failed
+        # L{EndpointFactory} dials any scheme: no SchemeNotSupported to catch.
+        endpoint = self._getEndpoint(parsed)  # type: ignore[no-untyped-call]
         # As Agent does: the caller's headers are never changed (one set may
         # go to several URLs), a copy gets the Host.
         if headers is None:
