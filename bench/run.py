@@ -1026,7 +1026,9 @@ async def scenario_wake(ctx: Context) -> Result:
                 f" first byte after {percentile(woken.ttfbs, 50):.3f} s p50 over"
                 f" {len(added)} wakes, +{percentile(added, 50) * 1e3:.0f} ms p50,"
                 f" +{worst * 1e3:.0f} ms max (target +{WAKE_TARGET * 1e3:.0f} ms:"
-                f" {verdict})"
+                f" {verdict}); each, in order: "
+                + ", ".join(f"+{a * 1e3:.0f}" for a in added)
+                + " ms"
             )
         result.notes.append(
             "wake: awake, the same request's first byte after"
