@@ -35,9 +35,19 @@ def _run(decoder_type: Any, pieces: list[bytes]) -> tuple[bytes, Any, str, int]:
     return b"".join(data), (rest[0] if rest else None), error, len(data)
 
 
+_LOOK_ALIKE = st.lists(
+    st.sampled_from([b"\r", b"\n", b"\r\n", b"0", b"1", b"a", b"F", b";", b"x"]),
+    min_size=1,
+    max_size=20,
+).map(b"".join)
+"""Chunk bodies full of what looks like chunk framing."""
+
+
 @st.composite
-def _framed(draw: Any) -> bytes:
-    chunks = draw(st.lists(st.binary(min_size=1, max_size=40), max_size=12))
+def _framed(draw: Any, body: Any = None) -> bytes:
+    if body is None:
+        body = st.one_of(st.binary(min_size=1, max_size=40), _LOOK_ALIKE)
+    chunks = draw(st.lists(body, max_size=12))
     out = b""
     for chunk in chunks:
         size = b"%x" % len(chunk)
@@ -86,6 +96,36 @@ class EquivalenceTests(SynchronousTestCase):
         ours = _run(CoalescingChunkedDecoder, pieces)
         self.assertEqual(ours[:3], theirs[:3])
 
+    @given(_framed(_LOOK_ALIKE), st.lists(st.integers(0, 10_000), max_size=4))
+    def test_look_alikes(self, body: bytes, cuts: list[int]) -> None:
+        """Bodies that hold what looks like a chunk's end and size line."""
+        pieces = _splits(body, cuts)
+        self.assertEqual(
+            _run(CoalescingChunkedDecoder, pieces)[:3],
+            _run(_ChunkedTransferDecoder, pieces)[:3],
+        )
+
+    def test_many_chunks_taken_at_once(self) -> None:
+        """
+        Whole chunks are taken by the split, a look-alike in a body sends
+        the read to the exact loop, and both give the same bytes.
+        """
+        from nvproxy.proxy.chunked import _whole_chunks
+
+        plain = b"".join(b"%x\r\n%s\r\n" % (len(t), t) for t in [b"xy", b"zzz"] * 3)
+        pieces: list[bytes] = []
+        self.assertEqual(_whole_chunks(plain + b"2\r\nz", pieces), len(plain))
+        self.assertEqual(pieces, [b"xy", b"zzz"] * 3)
+        inner = b"xy\r\n1\r\nz"  # holds a chunk's end and a size line
+        tricky = b"%x\r\n%s\r\n" % (len(inner), inner) + plain
+        pieces = []
+        self.assertEqual(_whole_chunks(tricky, pieces), 0)
+        self.assertEqual(pieces, [])
+        self.assertEqual(
+            _run(CoalescingChunkedDecoder, [tricky + b"0\r\n\r\n"])[0],
+            inner + b"xyzzz" * 3,
+        )
+
     def test_one_read_many_chunks_one_callback(self) -> None:
         body = b"".join(b"5\r\ntoken\r\n" for _ in range(50)) + b"0\r\n\r\n"
         data, rest, error, calls = _run(CoalescingChunkedDecoder, [body])
@@ -131,3 +171,173 @@ class ParserTests(SynchronousTestCase):
         response.deliverBody(Collect())
         protocol.dataReceived(b"3\r\nabc\r\n3\r\ndef\r\n3\r\nghi\r\n")
         self.assertEqual(body, [b"abcdefghi"], "three chunks, one read, one write")
+
+
+def _exchange(protocol_type: Any, pieces: list[bytes]) -> tuple[Any, ...]:
+    """
+    What a client protocol makes of a response fed in C{pieces}: the
+    response (code, headers) or the request's failure, the body, how the
+    body ended, and whether the connection was dropped.
+    """
+    from twisted.internet.protocol import Protocol
+    from twisted.internet.testing import StringTransport
+    from twisted.python.failure import Failure
+    from twisted.web._newclient import Request, ResponseFailed
+    from twisted.web.http_headers import Headers
+
+    protocol = protocol_type(lambda p: None)
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    request = Request(b"GET", b"/", Headers({b"host": [b"x"]}), None, persistent=True)
+    d = protocol.request(request)
+    outcome: list[Any] = []
+    body: list[bytes] = []
+    ended: list[str] = []
+
+    class Collect(Protocol):
+        def dataReceived(self, data: bytes) -> None:
+            body.append(data)
+
+        def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+            ended.append(reason.type.__name__)  # type: ignore[union-attr]
+
+    def got(response: Any) -> None:
+        headers = sorted(response.headers.getAllRawHeaders())
+        outcome.append((response.code, response.phrase, headers, response.length))
+        response.deliverBody(Collect())
+
+    def failed(reason: Failure) -> None:
+        if reason.check(ResponseFailed):
+            why = [r.type.__name__ for r in reason.value.reasons]  # type: ignore[union-attr]
+            outcome.append(("failed", why))
+        else:
+            outcome.append(("failed", reason.type.__name__))  # type: ignore[union-attr]
+
+    d.addCallbacks(got, failed)
+    for piece in pieces:
+        protocol.dataReceived(piece)
+    from twisted.internet.error import ConnectionDone
+
+    protocol.connectionLost(Failure(ConnectionDone()))
+    return outcome, b"".join(body), ended, transport.disconnecting
+
+
+def _rest(parser_type: Any, pieces: list[bytes]) -> tuple[list[bytes], str]:
+    """The bytes a bare parser passes on after a response, or its error."""
+    from twisted.internet.testing import StringTransport
+    from twisted.web._newclient import Request
+    from twisted.web.http_headers import Headers
+
+    rest: list[bytes] = []
+    request = Request(b"GET", b"/", Headers({b"host": [b"x"]}), None)
+    parser = parser_type(request, rest.append)
+    parser.makeConnection(StringTransport())
+    try:
+        for piece in pieces:
+            parser.dataReceived(piece)
+    except Exception as e:
+        return rest, type(e).__name__
+    return rest, ""
+
+
+@st.composite
+def _response(draw: Any) -> bytes:
+    """A response head (with its quirks) and a body to suit it."""
+    eol = st.sampled_from([b"\r\n", b"\n"])
+    out = b""
+    if draw(st.integers(0, 6)) == 0:
+        out += b"HTTP/1.1 100 Continue" + draw(eol) + draw(eol)
+    code = draw(st.sampled_from([200, 200, 200, 204, 304, 404, 500]))
+    out += b"HTTP/1.1 %d" % code
+    if draw(st.booleans()):
+        out += b" Some Phrase"
+    out += draw(eol)
+    kind = draw(st.sampled_from(["chunked", "length", "none"]))
+    names = st.sampled_from([b"Content-Type", b"X-A", b"Server", b"Date"])
+    for _ in range(draw(st.integers(0, 4))):
+        out += (
+            draw(names)
+            + b": "
+            + draw(
+                st.binary(max_size=12).filter(
+                    lambda v: b"\n" not in v and b"\r" not in v
+                )
+            )
+            + draw(eol)
+        )
+        if draw(st.integers(0, 5)) == 0:
+            out += b" continued" + draw(eol)
+    body = draw(st.binary(max_size=60))
+    if kind == "chunked":
+        out += b"Transfer-Encoding: chunked" + draw(eol)
+        body = draw(_framed())
+    elif kind == "length":
+        out += b"Content-Length: %d" % len(body) + draw(eol)
+        body += draw(st.binary(max_size=6))  # bytes after the body
+    return out + draw(eol) + body
+
+
+class LineParsingTests(SynchronousTestCase):
+    """
+    The upstream parser takes header lines without copying the rest of the
+    read per line, and makes of every response what Twisted's does.
+    """
+
+    def _both(self, data: bytes, cuts: list[int]) -> None:
+        from twisted.web._newclient import HTTP11ClientProtocol, HTTPClientParser
+
+        from nvproxy.proxy.chunked import _CoalescingParser
+        from nvproxy.proxy.upstream import _ClientProtocol
+
+        pieces = _splits(data, cuts)
+        theirs = _exchange(HTTP11ClientProtocol, pieces)
+        ours = _exchange(_ClientProtocol, pieces)
+        self.assertEqual(ours, theirs)
+        # what the parser hands its finisher after the response
+        self.assertEqual(
+            _rest(_CoalescingParser, pieces), _rest(HTTPClientParser, pieces)
+        )
+
+    @given(_response(), st.lists(st.integers(0, 10_000), max_size=8))
+    def test_well_formed(self, data: bytes, cuts: list[int]) -> None:
+        self._both(data, cuts)
+
+    @given(
+        _response(),
+        st.integers(0, 10_000),
+        st.binary(min_size=1, max_size=3),
+        st.lists(st.integers(0, 10_000), max_size=6),
+    )
+    def test_mangled(self, data: bytes, at: int, junk: bytes, cuts: list[int]) -> None:
+        at %= len(data)
+        self._both(data[:at] + junk + data[at + 1 :], cuts)
+
+    def test_overlong_lines(self) -> None:
+        """A header line past Twisted's limit drops the connection in both."""
+        head = b"HTTP/1.1 200 OK\r\nX-Long: " + b"v" * 20_000
+        for data in (head, head + b"\r\n\r\n"):
+            for cuts in ([], [100], [17, 19_000]):
+                self._both(data, cuts)
+
+    def test_body_in_one_piece(self) -> None:
+        """
+        A whole answer in one read reaches the body decoder in one piece,
+        after any number of header lines.
+        """
+        from twisted.internet.testing import StringTransport
+        from twisted.web._newclient import Request
+        from twisted.web.http_headers import Headers
+
+        from nvproxy.proxy.upstream import _ClientProtocol
+
+        protocol = _ClientProtocol(lambda p: None)  # type: ignore[no-untyped-call]
+        protocol.makeConnection(StringTransport())
+        protocol.request(Request(b"GET", b"/", Headers({b"host": [b"x"]}), None))
+        parser = protocol._parser
+        fed: list[bytes] = []
+        original = parser.rawDataReceived
+        parser.rawDataReceived = lambda data: (fed.append(data), original(data))[1]
+        body = b"5\r\nhello\r\n0\r\n\r\n"
+        head = b"HTTP/1.1 200 OK\r\n" + b"X-H: v\r\n" * 20
+        protocol.dataReceived(head + b"Transfer-Encoding: chunked\r\n\r\n" + body)
+        self.assertEqual(fed, [body])
