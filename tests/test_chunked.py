@@ -126,6 +126,16 @@ class EquivalenceTests(SynchronousTestCase):
             inner + b"xyzzz" * 3,
         )
 
+    def test_sizes_outside_the_table(self) -> None:
+        """Upper-case and large sizes are read with C{int}, still at once."""
+        from nvproxy.proxy.chunked import _whole_chunks
+
+        bodies = [b"x" * 2000, b"y" * 26, b"z" * 3]
+        framed = b"".join(b"%X\r\n%s\r\n" % (len(b), b) for b in bodies)
+        pieces: list[bytes] = []
+        taken = _whole_chunks(framed + b"0\r\n\r\n", pieces)
+        self.assertEqual((taken, pieces), (len(framed), bodies))
+
     def test_one_read_many_chunks_one_callback(self) -> None:
         body = b"".join(b"5\r\ntoken\r\n" for _ in range(50)) + b"0\r\n\r\n"
         data, rest, error, calls = _run(CoalescingChunkedDecoder, [body])

@@ -43,6 +43,10 @@ _WHOLE_SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,16})\r\n").match
 
 _FRAMING = re.compile(rb"\r\n([0-9a-fA-F]{1,16})\r\n")
 """A chunk's closing CRLF and the next size line, without extensions."""
+_SIZES = {b"%x" % size: size for size in range(1, 1024)}
+"""The sizes of token-sized chunks as engines write them (lower-case hex, no
+leading zero): one lookup each, a third of C{int(size, 16)}; any other size
+line makes the read's sizes go through C{int}."""
 
 
 def _whole_chunks(buf: bytes, pieces: list[bytes]) -> int:
@@ -70,9 +74,11 @@ def _whole_chunks(buf: bytes, pieces: list[bytes]) -> int:
         return 0  # no size line at 0, or the first chunk is the last one
     if len(head) - first.end() != int(first[1], 16):
         return 0
-    bodies = parts[2:-1:2]
+    bodies, sizes = parts[2:-1:2], parts[1:-2:2]
     lengths = list(map(len, bodies))
-    if lengths != list(map(int, parts[1:-2:2], repeat(16))) or 0 in lengths:
+    if lengths != list(map(_SIZES.get, sizes)) and (
+        lengths != list(map(int, sizes, repeat(16))) or 0 in lengths
+    ):
         return 0
     pieces.append(head[first.end() :])
     pieces.extend(bodies)
