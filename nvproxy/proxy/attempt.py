@@ -321,7 +321,9 @@ class HttpAttempt:
             gate.dataReceived = write  # type: ignore[method-assign]
 
     def _body_ended(self, reason: Failure) -> None:
-        clean = reason.check(ResponseDone, PotentialDataLoss) is not None
+        # isinstance, not Failure.check: check names every class in the
+        # value's MRO (reflect.qual) on each call
+        clean = isinstance(reason.value, (ResponseDone, PotentialDataLoss))
         if self._state is _State.GATED:
             if clean:
                 # EOF with no body bytes is a commit (spec §5.2).
