@@ -942,3 +942,54 @@ class OriginFormTests(SynchronousTestCase):
         }
         for target, expected in cases.items():
             self.assertEqual(origin_form(target), expected, target)
+
+
+class DefaultHeadersTests(SynchronousTestCase):
+    """
+    A facade's own answers carry Twisted's Server header and a Date from the
+    site's clock (not the wall clock), formatted once a second.
+    """
+
+    def _headers(self, site: FacadeSite, path: bytes = b"/") -> dict[bytes, bytes]:
+        conn = _Connection(self, site)
+        conn.send(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = conn.output().partition(b"\r\n\r\n")
+        self.assertEqual(body, b"ok")
+        pairs = (line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        return {name.lower(): value for name, value in pairs}
+
+    def test_date_from_the_clock(self) -> None:
+        from twisted.web.server import version
+
+        clock = Clock()
+        clock.advance(784111777)
+        site = _facade_site(clock)
+        headers = self._headers(site)
+        self.assertEqual(headers[b"date"], b"Sun, 06 Nov 1994 08:49:37 GMT")
+        self.assertEqual(headers[b"server"], version)
+        clock.advance(0.5)
+        self.assertEqual(self._headers(site)[b"date"], b"Sun, 06 Nov 1994 08:49:37 GMT")
+        clock.advance(0.5)
+        self.assertEqual(self._headers(site)[b"date"], b"Sun, 06 Nov 1994 08:49:38 GMT")
+
+    def test_resource_found_as_twisted_does(self) -> None:
+        """The path is split and unquoted for the resource tree as before."""
+        seen: list[list[bytes]] = []
+
+        class Record(Resource):
+            isLeaf = True
+
+            def render_GET(self, request: Request) -> bytes:
+                seen.append(request.postpath)
+                return b"ok"
+
+        site = FacadeSite(
+            Record(),
+            error_body=ENGINES["ollama"].error_body,
+            max_body=1000,
+            max_connections=10,
+            limits=LIMITS,
+            reactor=Clock(),
+        )
+        self._headers(site, b"/a%20b/c")
+        self.assertEqual(seen, [[b"a b", b"c"]])

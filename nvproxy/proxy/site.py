@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from functools import lru_cache
 from typing import Any
+from urllib.parse import unquote_to_bytes as unquote  # as twisted.web.server
 
 from attrs import frozen
 from twisted.internet.defer import Deferred, succeed
@@ -46,10 +48,12 @@ from twisted.web.http import (
     HTTPChannel,
     _ChunkedTransferDecoder,
     _MalformedChunkedDataError,
+    datetimeToString,
 )
 from twisted.web.http_headers import Headers
-from twisted.web.resource import IResource
+from twisted.web.resource import IResource, _IEncodingResource
 from twisted.web.server import Request, Site
+from twisted.web.server import version as server_version
 
 from nvproxy.jsonhttp import json_bytes
 from nvproxy.logs import Logger, batched
@@ -593,7 +597,34 @@ class FacadeRequest(Request):
         hidden = getattr(self, "_hidden_type", None)
         if hidden is not None:
             self.requestHeaders.setRawHeaders(b"content-type", hidden)
-        Request.process(self)
+        # Twisted's Request.process, but the Date header comes from the
+        # site's clock and is formatted once a second, not from the wall
+        # clock on every request (time.gmtime and string formatting).
+        site = self.site = self.channel.site  # type: ignore[attr-defined]
+        self.setHeader(b"Server", server_version)  # type: ignore[no-untyped-call]
+        date = _http_date(int(site.reactor.seconds()))
+        self.setHeader(b"Date", date)  # type: ignore[no-untyped-call]
+        self.prepath = []
+        self.postpath = list(map(unquote, self.path[1:].split(b"/")))
+        if self.path == b"*":
+            self._handleStar()  # type: ignore[no-untyped-call]
+            return
+        try:
+            found = site.getResourceFor(self)
+            if _IEncodingResource.providedBy(found):
+                encoder = found.getEncoder(self)
+                if encoder is not None:
+                    self._encoder = encoder
+            self.render(found)  # type: ignore[no-untyped-call]
+        except BaseException:
+            self.processingFailed(Failure())  # type: ignore[no-untyped-call]
+
+
+@lru_cache(maxsize=1)
+def _http_date(second: int) -> bytes:
+    """The HTTP date of C{second} (seconds since the epoch)."""
+    date: bytes = datetimeToString(second)
+    return date
 
 
 def _site(request: Request) -> FacadeSite:
