@@ -191,17 +191,21 @@ class StatsMeter:
                 self._decide_opening(head)
         self._total += len(chunk)
         # Each count is a pass over the chunk, so only what can still matter
-        # is counted: lines until the body shows an SSE event (they count an
-        # NDJSON body's records, never an SSE body's), events unless the body
-        # is NDJSON (lined without an event: a record holds no raw newline).
+        # is counted: events unless the body is NDJSON (lined without an
+        # event: a record holds no raw newline), then lines while the body
+        # has shown no SSE event, and only for Ollama's dialect (they count
+        # an Ollama NDJSON body's records, never an SSE body's).  A whole
+        # SSE answer often comes as one piece: its events found first, its
+        # newlines are not counted at all.
         events = self._events
-        if not events:
-            self._newlines += chunk.count(b"\n")
         if events or not self._lined:
             # A match spanning the boundary starts in the carry and ends in the
             # chunk; neither 5-byte half can hold a whole 6-byte match on its own.
             events += chunk.count(_SSE_EVENT)
-            self._events = events + (self._carry + chunk[:_CARRY]).count(_SSE_EVENT)
+            events += (self._carry + chunk[:_CARRY]).count(_SSE_EVENT)
+            self._events = events
+        if not events and self._dialect == "ollama":
+            self._newlines += chunk.count(b"\n")
         if len(chunk) >= _CARRY:
             self._carry = chunk[-_CARRY:]
         else:
