@@ -98,9 +98,13 @@ def end_to_end(
                 if token:
                     listed.add(token)
     out = Headers() if into is None else into
-    for name, values in headers.getAllRawHeaders():
+    # Straight into the other Headers' table: its names are already in
+    # canonical form and its values sanitized, which is all setRawHeaders
+    # would do to them again (a name encoding and a scan of every value).
+    table = out._rawHeaders
+    for name, values in headers._rawHeaders.items():
         if name.lower() not in listed:
-            out.setRawHeaders(name, list(values))
+            table[name] = list(values)
     return out
 
 
