@@ -791,11 +791,19 @@ class AgentTests(SynchronousTestCase):
                 parsed.scheme, parsed.host, parsed.port
             )
             self.assertEqual(host, expected)
+        from twisted.internet.testing import StringTransport
+
         given = Headers({b"x-a": [b"1"]})
-        upstream.Upstream(MemoryReactorClock(), 7.0).agent.request(
+        memory = MemoryReactorClock()
+        upstream.Upstream(memory, 7.0).agent.request(
             b"GET", b"http://127.0.0.1:9/x", given
         )
         self.assertEqual(list(given.getAllRawHeaders()), [(b"X-A", [b"1"])])
+        transport = StringTransport()
+        memory.tcpClients[-1][2].buildProtocol(None).makeConnection(transport)
+        head = transport.value().split(b"\r\n")
+        self.assertIn(b"X-A: 1", head)
+        self.assertIn(b"Host: 127.0.0.1:9", head)
 
 
 class _Recorder(Protocol):

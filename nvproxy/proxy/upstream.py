@@ -428,6 +428,18 @@ class ProxyPool(HTTPConnectionPool):
         return fresh
 
 
+def _copy(headers: Headers) -> Headers:
+    """
+    C{headers.copy()} without its C{setRawHeaders} per header, which would
+    encode every name and scan every value again (see L{end_to_end}).
+    """
+    out = Headers()
+    out._rawHeaders = {
+        name: list(values) for name, values in headers._rawHeaders.items()
+    }
+    return out
+
+
 @keep_short(512, longest=512)
 def _parsed(uri: bytes) -> tuple[URI, bytes, bytes]:
     """
@@ -467,7 +479,7 @@ class _Agent(Agent):
         if headers is None:
             headers = Headers({b"host": [host]})
         elif not headers.hasHeader(b"host"):
-            headers = headers.copy()
+            headers = _copy(headers)
             headers.setRawHeaders(b"host", [host])
         answer: Deferred[IResponse] = self._requestWithEndpoint(
             (parsed.scheme, parsed.host, parsed.port),
