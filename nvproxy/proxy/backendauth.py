@@ -20,6 +20,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from nvproxy.proxy.headers import copy_headers
+
 __all__ = ["BackendKeyError", "KeyedAgent", "read_backend_key"]
 
 
@@ -88,6 +90,6 @@ class KeyedAgent:
     ) -> Deferred[IResponse]:
         key = self._key_for(uri)
         if key is not None:
-            headers = headers.copy() if headers is not None else Headers()
+            headers = copy_headers(headers) if headers is not None else Headers()
             headers.setRawHeaders(b"authorization", [b"Bearer " + key])
         return self._agent.request(method, uri, headers, bodyProducer)

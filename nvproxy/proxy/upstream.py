@@ -54,6 +54,7 @@ from nvproxy.memo import keep_short
 from nvproxy.proxy.backendauth import KeyedAgent
 from nvproxy.proxy.chunked import coalesce_chunks
 from nvproxy.proxy.cork import CORK
+from nvproxy.proxy.headers import copy_headers
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
 HOP_BY_HOP = frozenset(
@@ -428,18 +429,6 @@ class ProxyPool(HTTPConnectionPool):
         return fresh
 
 
-def _copy(headers: Headers) -> Headers:
-    """
-    C{headers.copy()} without its C{setRawHeaders} per header, which would
-    encode every name and scan every value again (see L{end_to_end}).
-    """
-    out = Headers()
-    out._rawHeaders = {
-        name: list(values) for name, values in headers._rawHeaders.items()
-    }
-    return out
-
-
 @keep_short(512, longest=512)
 def _parsed(uri: bytes) -> tuple[URI, bytes, bytes]:
     """
@@ -479,7 +468,7 @@ class _Agent(Agent):
         if headers is None:
             headers = Headers({b"host": [host]})
         elif not headers.hasHeader(b"host"):
-            headers = _copy(headers)
+            headers = copy_headers(headers)
             headers.setRawHeaders(b"host", [host])
         answer: Deferred[IResponse] = self._requestWithEndpoint(
             (parsed.scheme, parsed.host, parsed.port),
