@@ -73,6 +73,20 @@ def _splits(data: bytes, cuts: list[int]) -> list[bytes]:
     return [p for p in pieces if p]
 
 
+def _mangled(data: bytes, at: int, junk: bytes) -> bytes:
+    """C{data} with one byte (at C{at}, modulo its length) replaced by C{junk}."""
+    at %= len(data)
+    return data[:at] + junk + data[at + 1 :]
+
+
+_MANGLES = (
+    st.integers(0, 10_000),
+    st.binary(min_size=1, max_size=3),
+    st.lists(st.integers(0, 10_000), max_size=6),
+)
+"""Where to mangle, with what, and the cuts of the mangled bytes."""
+
+
 class EquivalenceTests(SynchronousTestCase):
     @given(_framed(), st.lists(st.integers(0, 10_000), max_size=8))
     def test_well_formed(self, body: bytes, cuts: list[int]) -> None:
@@ -82,16 +96,9 @@ class EquivalenceTests(SynchronousTestCase):
         self.assertEqual(ours[:3], theirs[:3])
         self.assertLessEqual(ours[3], len(pieces), "at most one callback per read")
 
-    @given(
-        _framed(),
-        st.integers(0, 10_000),
-        st.binary(min_size=1, max_size=3),
-        st.lists(st.integers(0, 10_000), max_size=6),
-    )
+    @given(_framed(), *_MANGLES)
     def test_mangled(self, body: bytes, at: int, junk: bytes, cuts: list[int]) -> None:
-        at %= len(body)
-        mangled = body[:at] + junk + body[at + 1 :]
-        pieces = _splits(mangled, cuts)
+        pieces = _splits(_mangled(body, at, junk), cuts)
         theirs = _run(_ChunkedTransferDecoder, pieces)
         ours = _run(CoalescingChunkedDecoder, pieces)
         self.assertEqual(ours[:3], theirs[:3])
@@ -312,15 +319,9 @@ class LineParsingTests(SynchronousTestCase):
     def test_well_formed(self, data: bytes, cuts: list[int]) -> None:
         self._both(data, cuts)
 
-    @given(
-        _response(),
-        st.integers(0, 10_000),
-        st.binary(min_size=1, max_size=3),
-        st.lists(st.integers(0, 10_000), max_size=6),
-    )
+    @given(_response(), *_MANGLES)
     def test_mangled(self, data: bytes, at: int, junk: bytes, cuts: list[int]) -> None:
-        at %= len(data)
-        self._both(data[:at] + junk + data[at + 1 :], cuts)
+        self._both(_mangled(data, at, junk), cuts)
 
     def test_overlong_lines(self) -> None:
         """A header line past Twisted's limit drops the connection in both."""
