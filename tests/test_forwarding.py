@@ -187,7 +187,7 @@ class ForwardingTests(ProxyTestCase):
         stream arrives intact and in order.
         """
         sent: list[bytes] = []
-        original = site._send_now
+        original = site.send_now
 
         def spy(transport: object, data: bytes) -> bool:
             taken = original(transport, data)
@@ -195,7 +195,7 @@ class ForwardingTests(ProxyTestCase):
                 sent.append(data)
             return taken
 
-        self.patch(site, "_send_now", spy)
+        self.patch(site, "send_now", spy)
         fake = await self.engine("ollama", ["llama3:latest"])
         fake.default = Behaviour(chunks=8, chunk_interval=0.01)
         lines = await self.generate(fake)

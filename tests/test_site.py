@@ -27,14 +27,13 @@ from twisted.web.server import Request
 
 from nvproxy.engines import ENGINES
 from nvproxy.proxy.client import ClientSide
-from nvproxy.proxy.cork import CORK
+from nvproxy.proxy.cork import CORK, hold, release, send_now
 from nvproxy.proxy.listener import DemuxFactory
 from nvproxy.proxy.site import (
     ClientLimits,
     FacadeSite,
     GuardedSite,
     _chunk_size_error,
-    _send_now,
     origin_form,
 )
 from nvproxy.service import build
@@ -529,7 +528,7 @@ async def _received(reader: _Reader, size: int) -> bytes:
 
 class SendNowTests(TestCase):
     """
-    L{_send_now}: on a plain TCP connection with nothing queued, bytes go to
+    L{send_now}: on a plain TCP connection with nothing queued, bytes go to
     the socket in the call; otherwise they take Twisted's queue.
     """
 
@@ -553,7 +552,7 @@ class SendNowTests(TestCase):
 
     async def test_sent_in_the_call(self) -> None:
         transport, reader = await self.connection()
-        self.assertTrue(_send_now(transport, b"hello"))
+        self.assertTrue(send_now(transport, b"hello"))
         self.assertEqual((transport.dataBuffer, transport._tempDataLen), (b"", 0))
         # Not registered for writability: no poll round, no epoll_ctl.
         self.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
@@ -562,14 +561,14 @@ class SendNowTests(TestCase):
     async def test_queued_bytes_go_first(self) -> None:
         transport, reader = await self.connection()
         transport.write(b"first ")
-        self.assertFalse(_send_now(transport, b"second"))
+        self.assertFalse(send_now(transport, b"second"))
         transport.write(b"second")
         self.assertEqual(await _received(reader, 12), b"first second")
 
     async def test_what_the_socket_does_not_take_is_queued(self) -> None:
         transport, reader = await self.connection()
         transport.writeSomeData = lambda data: 3
-        self.assertTrue(_send_now(transport, b"abcdefgh"))
+        self.assertTrue(send_now(transport, b"abcdefgh"))
         self.assertEqual(transport._tempDataBuffer, [b"defgh"])
         del transport.writeSomeData
         self.assertEqual(await _received(reader, 5), b"defgh")
@@ -577,7 +576,7 @@ class SendNowTests(TestCase):
     async def test_lost_connection_takes_the_queue(self) -> None:
         transport, reader = await self.connection()
         transport.writeSomeData = lambda data: ConnectionLost()
-        self.assertFalse(_send_now(transport, b"abc"))
+        self.assertFalse(send_now(transport, b"abc"))
 
     async def test_closing_connection_takes_the_queue(self) -> None:
         """
@@ -586,7 +585,7 @@ class SendNowTests(TestCase):
         """
         transport, reader = await self.connection()
         transport.loseConnection()
-        self.assertFalse(_send_now(transport, b"late"))
+        self.assertFalse(send_now(transport, b"late"))
         transport.write(b"late")
         await reader.closed
         self.assertEqual(reader.data, b"late")
@@ -594,11 +593,186 @@ class SendNowTests(TestCase):
     async def test_aborted_connection_takes_the_queue(self) -> None:
         transport, reader = await self.connection()
         transport.abortConnection()
-        self.assertFalse(_send_now(transport, b"late"))
+        self.assertFalse(send_now(transport, b"late"))
 
     def test_other_transports(self) -> None:
-        """A TLS connection (here a StringTransport) is never written here."""
-        self.assertFalse(_send_now(StringTransport(), b"x"))
+        """A transport that is neither TCP nor TLS over TCP is never written here."""
+        self.assertFalse(send_now(StringTransport(), b"x"))
+
+
+class HoldTests(TestCase):
+    """
+    L{hold} and L{release}: what is written to an idle connection during a
+    call leaves in one send at its end, with no poll round; a connection with
+    something queued keeps Twisted's path.
+    """
+
+    connection = SendNowTests.connection
+
+    async def test_held_then_sent_in_one_piece(self) -> None:
+        transport, reader = await self.connection()
+        held = hold(transport)
+        assert held is not None
+        transport.write(b"head ")
+        transport.writeSequence([b"and ", b"body"])
+        self.assertEqual(held, [b"head ", b"and ", b"body"])
+        self.assertEqual(transport._tempDataLen, 0)
+        release(transport, held)
+        # The class's write is back, nothing queued, no writability watch.
+        self.assertNotIn("write", vars(transport))
+        self.assertNotIn("writeSequence", vars(transport))
+        self.assertEqual((transport.dataBuffer, transport._tempDataLen), (b"", 0))
+        self.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
+        self.assertEqual(await _received(reader, 13), b"head and body")
+
+    async def test_nothing_held_nothing_sent(self) -> None:
+        transport, reader = await self.connection()
+        held = hold(transport)
+        assert held is not None
+        release(transport, held)
+        transport.write(b"later")
+        self.assertEqual(await _received(reader, 5), b"later")
+
+    async def test_queued_connection_not_held(self) -> None:
+        transport, reader = await self.connection()
+        transport.write(b"first ")
+        self.assertIsNone(hold(transport))
+        transport.write(b"second")
+        self.assertEqual(await _received(reader, 12), b"first second")
+
+    def test_other_transports_not_held(self) -> None:
+        transport = StringTransport()
+        self.assertIsNone(hold(transport))
+        self.assertNotIn("write", vars(transport))
+
+    async def test_upstream_request_sent_in_the_call(self) -> None:
+        """
+        nvproxy's client protocol sends a request's head and body in one
+        send inside C{request}, not at the next poll.
+        """
+        from twisted.web._newclient import Request as ClientRequest
+
+        from nvproxy.proxy.upstream import BytesProducer, _ClientProtocol
+
+        transport, reader = await self.connection()
+        protocol = _ClientProtocol(lambda p: None)  # type: ignore[no-untyped-call]
+        protocol.makeConnection(transport)
+        sends: list[bytes] = []
+        original = transport.writeSomeData
+
+        def spy(data: bytes) -> object:
+            sends.append(data)
+            return original(data)
+
+        transport.writeSomeData = spy
+        request = ClientRequest(
+            b"POST", b"/api/chat", Headers({b"host": [b"x"]}), BytesProducer(b"{}")
+        )
+        protocol.request(request)
+        self.assertEqual(len(sends), 1)
+        self.assertTrue(sends[0].startswith(b"POST /api/chat HTTP/1.1\r\n"))
+        self.assertTrue(sends[0].endswith(b"\r\n\r\n{}"))
+        self.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
+        self.assertEqual(await _received(reader, len(sends[0])), sends[0])
+        protocol.abort()
+
+
+class _TLSEcho(Protocol):
+    """The server's half of a TLS connection, handed to the test."""
+
+    def __init__(self, made: Deferred[Protocol]) -> None:
+        self._made = made
+
+    def connectionMade(self) -> None:
+        self._made.callback(self)
+
+
+class TLSSendNowTests(TestCase):
+    """
+    L{send_now} and L{hold} over TLS (a peer's connection): the records go to
+    the socket in the call, with no poll round, and arrive intact.
+    """
+
+    async def connection(self) -> tuple[Any, _Reader]:
+        from twisted.internet.endpoints import wrapClientTLS
+        from twisted.internet.protocol import Factory
+
+        from nvproxy.cluster import ClientTLS, ClusterState, Peer, ServerTLS
+        from nvproxy.proxy.listener import tls_personality
+        from tests.test_cluster import make_dir
+
+        server_dir, client_dir = make_dir(self, "node-a"), make_dir(self, "node-b")
+        server_id, client_id = server_dir.identity(), client_dir.identity()
+        assert server_id is not None and client_id is not None
+        pin = Peer("node-b", "127.0.0.1", client_id.fingerprint)
+        state = ClusterState(server_id, (pin,))
+        made: Deferred[Protocol] = Deferred()
+        factory = tls_personality(
+            ServerTLS(lambda: state),
+            Factory.forProtocol(lambda: _TLSEcho(made)),
+            reactor,
+        )
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[attr-defined]
+        self.addCleanup(port.stopListening)
+        endpoint = wrapClientTLS(
+            ClientTLS(client_id, "node-a", server_dir.fingerprint()),
+            TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port),
+        )
+        reader = _Reader()
+        await connectProtocol(endpoint, reader)
+        # The server's side exists once the handshake has been made.
+        reader.transport.write(b"x")  # type: ignore[union-attr]
+        server = await made
+        tls = server.transport
+        for _ in range(200):
+            if tls._handshakeDone:  # type: ignore[union-attr]
+                break
+            await deferLater(reactor, 0.005, lambda: None)
+
+        async def close() -> None:
+            tls.loseConnection()  # type: ignore[union-attr]
+            await reader.closed
+
+        self.addCleanup(lambda: Deferred.fromCoroutine(close()))
+        return tls, reader
+
+    async def test_sent_in_the_call(self) -> None:
+        tls, reader = await self.connection()
+        tcp = tls.transport
+        self.assertTrue(send_now(tls, b"hello over tls"))
+        self.assertNotIn("write", vars(tcp))
+        self.assertEqual((tcp.dataBuffer, tcp._tempDataLen), (b"", 0))
+        self.assertNotIn(tcp, reactor.getWriters())  # type: ignore[attr-defined]
+        self.assertEqual(await _received(reader, 14), b"hello over tls")
+
+    async def test_large_write_in_order(self) -> None:
+        """More than one TLS record, the socket taking part of it."""
+        tls, reader = await self.connection()
+        tcp = tls.transport
+        original = tcp.writeSomeData
+        tcp.writeSomeData = lambda data: original(data[:1000])
+        data = bytes(range(256)) * 300  # 76,800 bytes: five records
+        self.assertTrue(send_now(tls, data))
+        del tcp.writeSomeData
+        self.assertEqual(await _received(reader, len(data)), data)
+
+    async def test_held_then_sent(self) -> None:
+        tls, reader = await self.connection()
+        held = hold(tls)
+        assert held is not None
+        tls.write(b"head ")
+        tls.writeSequence([b"body"])
+        release(tls, held)
+        self.assertNotIn(tls.transport, reactor.getWriters())  # type: ignore[attr-defined]
+        self.assertEqual(await _received(reader, 9), b"head body")
+
+    async def test_queued_tcp_keeps_the_ordinary_path(self) -> None:
+        tls, reader = await self.connection()
+        tls.write(b"first ")  # queued on the TCP connection
+        self.assertFalse(send_now(tls, b"second"))
+        self.assertIsNone(hold(tls))
+        tls.write(b"second")
+        self.assertEqual(await _received(reader, 12), b"first second")
 
 
 class CorkTests(TestCase):

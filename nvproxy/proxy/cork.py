@@ -17,16 +17,20 @@ what it is asked to write and tells the cork (L{Cork.holding}); when the read
 has been handled,
 each holder that held something is told to flush (L{Holder.flush}) and hands
 it to its socket in one call, or queues it behind what is already queued
-(L{nvproxy.proxy.site._send_now}).  Nothing waits for anything but the end
+(L{send_now}).  Nothing waits for anything but the end
 of the read it came from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
-__all__ = ["CORK", "Cork", "Holder"]
+from twisted.internet.tcp import Client, Server
+from twisted.protocols.tls import TLSMemoryBIOProtocol
+
+__all__ = ["CORK", "Cork", "Holder", "hold", "release", "send_now"]
 
 
 class Holder(Protocol):
@@ -71,3 +75,94 @@ class Cork:
 
 CORK = Cork()
 """The process's one cork (one reactor, one read handled at a time)."""
+
+
+_TCP = (Server, Client)
+
+
+def _idle(transport: Any) -> bool:
+    """C{transport} is a plain TCP connection, open, with nothing queued."""
+    return (
+        type(transport) in _TCP
+        and not transport._tempDataLen
+        and not transport.dataBuffer
+        and not transport.disconnecting
+        and not transport._writeDisconnecting
+        and not transport._aborting
+        and transport.connected
+    )
+
+
+def _tls_idle(transport: Any) -> bool:
+    """C{transport} is TLS, open, over an idle TCP connection, nothing held."""
+    return (
+        isinstance(transport, TLSMemoryBIOProtocol)
+        and not transport.disconnecting
+        and not transport._lostTLSConnection
+        and not transport._appSendBuffer
+        and _idle(transport.transport)
+    )
+
+
+def _tcp_send(transport: Any, data: bytes) -> bool:
+    sent = transport.writeSomeData(data)
+    if not isinstance(sent, int):
+        # Lost: queue it, and the reactor's next write reports the loss.
+        return False
+    if sent < len(data):
+        transport.write(data[sent:])
+    return True
+
+
+def _tcp_write_now(transport: Any, data: bytes) -> None:
+    """C{write} for a TCP connection under TLS, for the length of one call."""
+    if not (_idle(transport) and _tcp_send(transport, data)):
+        type(transport).write(transport, data)
+
+
+def send_now(transport: object, data: bytes) -> bool:
+    """
+    Hand C{data} to the kernel now when C{transport} is a TCP connection
+    (or TLS over one) with nothing queued; whether it did.  What the socket
+    does not take (a slow client) is queued the ordinary way, so flow control
+    and ordering stay Twisted's.  Over TLS, C{True} means the bytes went into
+    the TLS connection, whose records went to the socket as they came.
+    """
+    if _idle(transport):
+        return _tcp_send(transport, data)
+    if not _tls_idle(transport):
+        return False
+    tls: Any = transport
+    tcp = tls.transport
+    # TLSMemoryBIOProtocol writes its records with its transport's write: for
+    # this call, that write sends at once (an instance attribute, removed
+    # after the call, so nothing is left pointing back at the connection).
+    tcp.write = partial(_tcp_write_now, tcp)
+    try:
+        tls.write(data)
+    finally:
+        del tcp.write
+    return True
+
+
+def hold(transport: Any) -> list[bytes] | None:
+    """
+    Start keeping what is written to C{transport} (TCP, or TLS over TCP,
+    with nothing queued); the list it goes to, or C{None} when the ordinary
+    path must be kept.  Always followed by L{release}, in a C{finally}.
+    """
+    if not (_idle(transport) or _tls_idle(transport)):
+        return None
+    held: list[bytes] = []
+    transport.write = held.append
+    transport.writeSequence = held.extend
+    return held
+
+
+def release(transport: Any, held: list[bytes]) -> None:
+    """Stop holding (L{hold}) and send what was held, in one piece."""
+    del transport.write, transport.writeSequence
+    if held:
+        data = held[0] if len(held) == 1 else b"".join(held)
+        if not send_now(transport, data):
+            transport.write(data)

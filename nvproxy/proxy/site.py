@@ -42,7 +42,6 @@ from attrs import frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IAddress, IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
-from twisted.internet.tcp import Server
 from twisted.python.failure import Failure
 from twisted.web.http import (
     HTTPChannel,
@@ -58,7 +57,7 @@ from twisted.web.server import version as server_version
 from nvproxy.jsonhttp import json_bytes
 from nvproxy.logs import Logger, batched
 from nvproxy.proxy.accesslog import AccessLine, emit
-from nvproxy.proxy.cork import CORK
+from nvproxy.proxy.cork import CORK, send_now
 
 log = Logger()
 
@@ -180,33 +179,6 @@ class _StrictChunkedDecoder(_ChunkedTransferDecoder):
             raise
 
 
-def _send_now(transport: object, data: bytes) -> bool:
-    """
-    Hand C{data} to the kernel now when C{transport} is a plain TCP
-    connection with nothing queued; whether it did (L{nvproxy.proxy.cork}).
-    What the socket does not take (a slow client) is queued the ordinary way,
-    so flow control and ordering stay Twisted's.  TLS connections (peers)
-    keep the ordinary path.
-    """
-    if (
-        type(transport) is not Server
-        or transport._tempDataLen
-        or transport.dataBuffer
-        or transport.disconnecting
-        or transport._writeDisconnecting
-        or transport._aborting
-        or not transport.connected
-    ):
-        return False
-    sent = transport.writeSomeData(data)
-    if not isinstance(sent, int):
-        # Lost: queue it, and the reactor's next write reports the loss.
-        return False
-    if sent < len(data):
-        transport.write(data[sent:])
-    return True
-
-
 class _GuardedChannel(HTTPChannel):
     """
     An C{HTTPChannel} whose request heads must arrive within an absolute
@@ -251,7 +223,7 @@ class _GuardedChannel(HTTPChannel):
         held, self._held = self._held, None
         if held:
             data = held[0] if len(held) == 1 else b"".join(held)
-            if not _send_now(self.transport, data):
+            if not send_now(self.transport, data):
                 HTTPChannel.write(self, data)
 
     def write(self, data: bytes) -> None:

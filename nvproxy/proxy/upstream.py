@@ -53,7 +53,7 @@ from nvproxy.discovery import InventoryClient
 from nvproxy.memo import keep_short
 from nvproxy.proxy.backendauth import KeyedAgent
 from nvproxy.proxy.chunked import coalesce_chunks
-from nvproxy.proxy.cork import CORK
+from nvproxy.proxy.cork import CORK, hold, release
 from nvproxy.proxy.headers import copy_headers
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
@@ -293,7 +293,15 @@ class _ClientProtocol(HTTP11ClientProtocol):
     """
 
     def request(self, request: Any) -> Deferred[Any]:
-        answer: Deferred[Any] = super().request(request)
+        # The request's head and (in-memory) body leave in one send, in this
+        # call, rather than at the next poll (nvproxy.proxy.cork).
+        transport = self.transport
+        held = hold(transport)
+        try:
+            answer: Deferred[Any] = super().request(request)
+        finally:
+            if held is not None:
+                release(transport, held)
         if self._parser is not None:
             # chunked bodies handed on once per read, not once per chunk
             coalesce_chunks(self._parser)
