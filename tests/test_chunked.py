@@ -9,6 +9,8 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
+from twisted.internet.protocol import Protocol
+from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http import _ChunkedTransferDecoder, _DataLoss
 
@@ -162,6 +164,29 @@ class EquivalenceTests(SynchronousTestCase):
 
 
 class ParserTests(SynchronousTestCase):
+    def test_no_pause_for_a_body_taken_in_the_callback(self) -> None:
+        """
+        Twisted pauses the connection until the response's body has a
+        protocol; one given in the response's callback, inside the read of
+        the head, makes that pause (and its resume) unnecessary.
+        """
+        transport, _, body = _head_read(deliver=True)
+        self.assertEqual(transport.pauses, 0)
+        self.assertEqual(transport.producerState, "producing")
+        self.assertEqual(body, [b"hello"])
+        self.assertNotIn("pauseProducing", vars(transport))
+        self.assertNotIn("resumeProducing", vars(transport))
+
+    def test_pause_kept_for_a_body_taken_later(self) -> None:
+        """A body given no protocol in the callback still pauses the connection."""
+        transport, got, body = _head_read(deliver=False)
+        self.assertEqual(transport.pauses, 1)
+        self.assertEqual(transport.producerState, "paused")
+        response, collect = got
+        response.deliverBody(collect())
+        self.assertEqual(transport.producerState, "producing")
+        self.assertEqual(body, [b"hello"])
+
     def test_upstream_protocol_coalesces(self) -> None:
         """nvproxy's upstream connections parse chunked bodies with it."""
         from twisted.internet.testing import StringTransport
@@ -188,6 +213,48 @@ class ParserTests(SynchronousTestCase):
         response.deliverBody(Collect())
         protocol.dataReceived(b"3\r\nabc\r\n3\r\ndef\r\n3\r\nghi\r\n")
         self.assertEqual(body, [b"abcdefghi"], "three chunks, one read, one write")
+
+
+class _CountingTransport(StringTransport):
+    """A StringTransport that counts the pauses asked of it."""
+
+    pauses = 0
+
+    def pauseProducing(self) -> None:
+        self.pauses += 1
+        super().pauseProducing()
+
+
+def _head_read(deliver: bool) -> tuple[_CountingTransport, list[Any], list[bytes]]:
+    """
+    A response head and a body read in one piece by nvproxy's upstream
+    protocol, its body delivered in the response's callback or not.
+    """
+    from twisted.web._newclient import Request
+    from twisted.web.http_headers import Headers
+
+    from nvproxy.proxy.upstream import _ClientProtocol
+
+    protocol = _ClientProtocol(lambda p: None)  # type: ignore[no-untyped-call]
+    transport = _CountingTransport()
+    protocol.makeConnection(transport)
+    d = protocol.request(Request(b"GET", b"/", Headers({b"host": [b"x"]}), None))
+    got: list[Any] = []
+    body: list[bytes] = []
+
+    class Collect(Protocol):
+        def dataReceived(self, data: bytes) -> None:
+            body.append(data)
+
+    def response(answer: Any) -> None:
+        got.append(answer)
+        if deliver:
+            answer.deliverBody(Collect())
+
+    d.addCallback(response)
+    protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
+    got.append(Collect)
+    return transport, got, body
 
 
 def _exchange(protocol_type: Any, pieces: list[bytes]) -> tuple[Any, ...]:
@@ -236,7 +303,13 @@ def _exchange(protocol_type: Any, pieces: list[bytes]) -> tuple[Any, ...]:
     from twisted.internet.error import ConnectionDone
 
     protocol.connectionLost(Failure(ConnectionDone()))
-    return outcome, b"".join(body), ended, transport.disconnecting
+    return (
+        outcome,
+        b"".join(body),
+        ended,
+        transport.disconnecting,
+        transport.producerState,
+    )
 
 
 def _rest(parser_type: Any, pieces: list[bytes]) -> tuple[list[bytes], str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import partial
 from itertools import repeat
 from typing import Any
 
@@ -293,6 +294,33 @@ class _CoalescingParser(HTTPClientParser):
         if self._buffer and not (self.line_mode or self.paused):
             # the body, in raw mode: Twisted's loop hands it on uncopied
             super().dataReceived(b"")  # type: ignore[no-untyped-call]
+
+    def allHeadersReceived(self) -> None:
+        # Twisted pauses the transport here until the response's body has a
+        # protocol, and resumes it when it gets one; nvproxy's attempt gives
+        # it one in the response's callback, inside this call, so the pause
+        # and the resume were two epoll_ctl calls for nothing.  Here a pause
+        # asked for during the call is made after it, if no resume came.
+        transport: Any = self.transport
+        if transport is None:
+            super().allHeadersReceived()  # type: ignore[no-untyped-call]
+            return
+        kind = type(transport)
+        due: list[bool] = []
+
+        def resume() -> None:
+            due.clear()
+            kind.resumeProducing(transport)
+
+        # For this call only (removed after it: no cycle is left behind).
+        transport.pauseProducing = partial(due.append, True)
+        transport.resumeProducing = resume
+        try:
+            super().allHeadersReceived()  # type: ignore[no-untyped-call]
+        finally:
+            del transport.pauseProducing, transport.resumeProducing
+        if due:
+            kind.pauseProducing(transport)
 
     def switchToBodyMode(self, decoder: Any) -> None:
         if type(decoder) is _ChunkedTransferDecoder:
