@@ -71,40 +71,53 @@ def event_as_json_line(event: LogEvent) -> str:
 
 class _FileObserver(FileLogObserver):
     """
-    Twisted's L{FileLogObserver}, which flushes after every event, except
-    inside L{batched}: there the lines are written and flushed once at its
-    end (the access lines of one reactor turn, one C{write} call).
+    Twisted's L{FileLogObserver}, which writes and flushes every event,
+    except inside L{batched}: there a file's lines are kept and written in
+    one piece at its end (the access lines of one reactor turn: one C{write}
+    system call, also when the file is unbuffered, as standard output is
+    under C{PYTHONUNBUFFERED}, which the unit and the image set).
     """
 
     def __call__(self, event: LogEvent) -> None:
         text = self.formatEvent(event)
         if text:
             out = self._outFile
-            out.write(text if self._encoding is None else text.encode(self._encoding))
+            line = text if self._encoding is None else text.encode(self._encoding)
             if _batch is None:
+                out.write(line)
                 out.flush()
-            elif out not in _batch:
-                _batch.append(out)
+                return
+            held = _batch.get(out)
+            if held is None:
+                _batch[out] = [line]
+            else:
+                held.append(line)
 
 
-_batch: list[IO[Any]] | None = None
-"""The files written to inside L{batched}, to flush at its end."""
+_batch: dict[IO[Any], list[Any]] | None = None
+"""The lines written to each file inside L{batched}, to write at its end."""
 
 
 @contextlib.contextmanager
 def batched() -> Iterator[None]:
-    """Flush what the log observers write inside this once, at its end."""
+    """Write what the log observers write inside this at its end, per file once."""
     global _batch
     if _batch is not None:
         yield
         return
-    _batch = []
+    _batch = {}
     try:
         yield
     finally:
         files, _batch = _batch, None
-        for out in files:
-            out.flush()
+        for out, lines in files.items():
+            try:
+                out.write(lines[0][:0].join(lines))
+                out.flush()
+            except Exception:
+                # A file that cannot be written must not keep the others'
+                # lines back (nor fail the caller, as a lost line would not).
+                pass
 
 
 def json_observer(out: IO[str] | None = None) -> ILogObserver:

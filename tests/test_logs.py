@@ -49,6 +49,11 @@ class _LevelTestCase(SynchronousTestCase):
 
 class _CountingFile(io.StringIO):
     flushes = 0
+    writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
 
     def flush(self) -> None:
         self.flushes += 1
@@ -56,7 +61,10 @@ class _CountingFile(io.StringIO):
 
 
 class BatchTests(SynchronousTestCase):
-    """L{logs.batched}: lines written inside it are flushed once, at its end."""
+    """
+    L{logs.batched}: lines written inside it are written and flushed once
+    per file, at its end (one system call, even on an unbuffered file).
+    """
 
     def test_flushed_per_event_outside(self) -> None:
         out = _CountingFile()
@@ -77,9 +85,27 @@ class BatchTests(SynchronousTestCase):
                 log.info("four")
             self.assertEqual((out.flushes, other.flushes), (0, 0))
         self.assertEqual((out.flushes, other.flushes), (1, 1))
-        self.assertEqual(len(out.getvalue().splitlines()), 3)
+        self.assertEqual((out.writes, other.writes), (1, 1))
+        lines = out.getvalue().splitlines()
+        self.assertEqual(
+            [line.rsplit(" ", 1)[-1] for line in lines], ["one", "two", "four"]
+        )
         log.info("five")
         self.assertEqual(out.flushes, 2)
+
+    def test_unwritable_file_keeps_no_other_back(self) -> None:
+        class Broken(_CountingFile):
+            def write(self, text: str) -> int:
+                raise OSError("disk full")
+
+        broken, out = Broken(), _CountingFile()
+        bad = Logger(namespace="nvproxy.test", observer=text_observer(broken))
+        log = Logger(namespace="nvproxy.test", observer=text_observer(out))
+        with logs.batched():
+            bad.info("lost")
+            log.info("kept")
+        self.assertEqual(out.getvalue().rsplit(" ", 1)[-1], "kept\n")
+        self.assertIsNone(logs._batch)
 
     def test_flushed_when_the_body_fails(self) -> None:
         out = _CountingFile()
