@@ -816,6 +816,26 @@ class CorkTests(TestCase):
         self.patch(transport, "writeSomeData", record)
         return sent
 
+    async def test_refusal_and_continue_behind_what_is_held(self) -> None:
+        """
+        A pipelined request parsed inside the read that ended the answer
+        before it: its 100 Continue, or its refusal, goes after that answer.
+        """
+        channel, reader = await self.connection()
+        sent = self.sends(channel.transport)
+
+        def read(data: bytes) -> None:
+            channel.write(data)
+            channel._send100Continue()
+            channel._refuse(400, "malformed request head")
+
+        CORK.during(read, b"answer one")
+        await reader.closed
+        self.assertEqual(sent[0], b"answer one")
+        self.assertTrue(sent[1].startswith(b"HTTP/1.1 100 Continue\r\n\r\n"))
+        self.assertTrue(reader.data.startswith(b"answer oneHTTP/1.1 100 Continue"))
+        self.assertIn(b"HTTP/1.1 400 ", reader.data)
+
     async def test_held_until_the_read_is_handled(self) -> None:
         channel, reader = await self.connection()
         sent = self.sends(channel.transport)

@@ -237,6 +237,13 @@ class _GuardedChannel(HTTPChannel):
         self.flush()
         HTTPChannel.loseConnection(self)
 
+    def _send100Continue(self) -> None:
+        # Twisted writes it to the transport: behind an answer still held
+        # (a pipelined request parsed inside the read that ended the one
+        # before it), not ahead of it.
+        self.flush()
+        HTTPChannel._send100Continue(self)
+
     def writeSequence(self, iovec: Iterable[bytes]) -> None:
         if not (CORK.active and self._hold(b"".join(iovec))):
             HTTPChannel.writeSequence(self, iovec)
@@ -414,6 +421,7 @@ class _GuardedChannel(HTTPChannel):
             reason=reason,
         )
         body = self.site.error_body(status, reason)
+        self.flush()  # behind an answer still held, as for 100 Continue
         transport = self.transport
         assert transport is not None
         transport.write(
