@@ -27,7 +27,7 @@ from twisted.web.server import Request
 
 from nvproxy.engines import ENGINES
 from nvproxy.proxy.client import ClientSide
-from nvproxy.proxy.cork import CORK, hold, release, send_now
+from nvproxy.proxy.cork import CORK, Turn, hold, release, send_now
 from nvproxy.proxy.listener import DemuxFactory
 from nvproxy.proxy.site import (
     ClientLimits,
@@ -675,6 +675,59 @@ class HoldTests(TestCase):
         self.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
         self.assertEqual(await _received(reader, len(sends[0])), sends[0])
         protocol.abort()
+
+
+class TurnTests(TestCase):
+    """
+    L{Turn}: the first request of a reactor turn leaves at once, the others
+    of the same turn take Twisted's queue (sent together at the next poll).
+    """
+
+    connection = SendNowTests.connection
+
+    def test_one_per_turn(self) -> None:
+        clock = Clock()
+        turn = Turn(clock)
+        self.assertTrue(turn.available)
+        turn.use()
+        turn.use()
+        self.assertFalse(turn.available)
+        self.assertEqual(len(clock.getDelayedCalls()), 1)
+        clock.advance(0)
+        self.assertTrue(turn.available)
+
+    async def test_second_of_a_turn_queued(self) -> None:
+        from twisted.web._newclient import Request as ClientRequest
+
+        from nvproxy.proxy.upstream import BytesProducer, _ClientProtocol
+
+        clock = Clock()
+        turn = Turn(clock)
+        connections = [await self.connection() for _ in range(3)]
+        protocols = []
+        for transport, _ in connections:
+            protocol = _ClientProtocol(lambda p: None, turn)
+            protocol.makeConnection(transport)
+            protocols.append(protocol)
+
+        def request() -> ClientRequest:
+            headers = Headers({b"host": [b"x"]})
+            return ClientRequest(b"POST", b"/", headers, BytesProducer(b"{}"))
+
+        first, second, third = (transport for transport, _ in connections)
+        protocols[0].request(request())
+        protocols[1].request(request())
+        self.assertEqual(first._tempDataLen, 0)  # sent in the call
+        self.assertGreater(second._tempDataLen, 0)  # queued for the poll
+        self.assertIn(second, reactor.getWriters())  # type: ignore[attr-defined]
+        clock.advance(0)  # the next turn
+        protocols[2].request(request())
+        self.assertEqual(third._tempDataLen, 0)
+        for (_, reader), protocol in zip(connections, protocols, strict=True):
+            data = await _received(reader, 10)
+            self.assertTrue(data.startswith(b"POST / HTTP/1.1\r\n"))
+            self.assertTrue(data.endswith(b"{}"))
+            protocol.abort()
 
 
 class _TLSEcho(Protocol):

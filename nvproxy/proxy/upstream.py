@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import IO, Any
 
 import treq
@@ -53,7 +54,7 @@ from nvproxy.discovery import InventoryClient
 from nvproxy.memo import keep_short
 from nvproxy.proxy.backendauth import KeyedAgent
 from nvproxy.proxy.chunked import coalesce_chunks
-from nvproxy.proxy.cork import CORK, hold, release
+from nvproxy.proxy.cork import CORK, Turn, hold, release
 from nvproxy.proxy.headers import copy_headers
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
@@ -292,16 +293,22 @@ class _ClientProtocol(HTTP11ClientProtocol):
     response would wait for the cyclic collector, with everything it holds.
     """
 
+    def __init__(self, quiescentCallback: Any, turn: Turn | None = None) -> None:
+        super().__init__(quiescentCallback)  # type: ignore[no-untyped-call]
+        self._turn = turn
+
     def request(self, request: Any) -> Deferred[Any]:
         # The request's head and (in-memory) body leave in one send, in this
-        # call, rather than at the next poll (nvproxy.proxy.cork).
+        # call, rather than at the next poll, when it is its turn's first
+        # (nvproxy.proxy.cork.Turn).
         transport = self.transport
-        held = hold(transport)
+        turn = self._turn
+        held = hold(transport) if turn is None or turn.available else None
         try:
             answer: Deferred[Any] = super().request(request)
         finally:
             if held is not None:
-                release(transport, held)
+                release(transport, held, turn)
         if self._parser is not None:
             # chunked bodies handed on once per read, not once per chunk
             coalesce_chunks(self._parser)
@@ -323,8 +330,12 @@ class _QuietClientFactory(_HTTP11ClientFactory):
     # would flood the log with every poll.
     noisy = False
 
+    def __init__(self, quiescentCallback: Any, metadata: Any, turn: Turn) -> None:
+        super().__init__(quiescentCallback, metadata)  # type: ignore[no-untyped-call]
+        self._turn = turn
+
     def buildProtocol(self, addr: Any) -> HTTP11ClientProtocol:
-        return _ClientProtocol(self._quiescentCallback)  # type: ignore[no-untyped-call]
+        return _ClientProtocol(self._quiescentCallback, self._turn)
 
 
 def _stale(failure: Failure) -> bool:
@@ -510,7 +521,9 @@ class Upstream:
         self.pool = ProxyPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
         self.pool.cachedConnectionTimeout = 120
-        self.pool._factory = _QuietClientFactory
+        self.pool._factory = partial(  # type: ignore[assignment]
+            _QuietClientFactory, turn=Turn(reactor)
+        )
         self.agent: IAgent = _Agent.usingEndpointFactory(  # type: ignore[no-untyped-call]
             reactor, EndpointFactory(reactor, dial_timeout, tls_for), self.pool
         )
