@@ -23,7 +23,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
-from twisted.web.server import Request
+from twisted.web.server import Request, Site
 
 from nvproxy.engines import ENGINES
 from nvproxy.proxy.client import ClientSide
@@ -615,7 +615,7 @@ class HoldTests(TestCase):
         assert held is not None
         transport.write(b"head ")
         transport.writeSequence([b"and ", b"body"])
-        self.assertEqual(held, [b"head ", b"and ", b"body"])
+        self.assertEqual(held.data, [b"head ", b"and ", b"body"])
         self.assertEqual(transport._tempDataLen, 0)
         release(transport, held)
         # The class's write is back, nothing queued, no writability watch.
@@ -735,9 +735,13 @@ class _TLSEcho(Protocol):
 
     def __init__(self, made: Deferred[Protocol]) -> None:
         self._made = made
+        self.data = b""
 
     def connectionMade(self) -> None:
         self._made.callback(self)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
 
 
 class TLSSendNowTests(TestCase):
@@ -787,6 +791,7 @@ class TLSSendNowTests(TestCase):
             await reader.closed
 
         self.addCleanup(lambda: Deferred.fromCoroutine(close()))
+        self.server = server
         return tls, reader
 
     async def test_sent_in_the_call(self) -> None:
@@ -819,6 +824,32 @@ class TLSSendNowTests(TestCase):
         self.assertNotIn(tls.transport, reactor.getWriters())  # type: ignore[attr-defined]
         self.assertEqual(await _received(reader, 9), b"head body")
 
+    async def test_client_tls_keeps_its_own_write(self) -> None:
+        """
+        Twisted's client TLS keeps its C{write} on the instance (it gathers
+        small writes until the next turn): holding puts it back, and what it
+        gathered goes ahead of what is sent at once.  Deleting it sent a
+        request's body ahead of its gathered head.
+        """
+        tls, reader = await self.connection()
+        client: Any = reader.transport
+        own = vars(client)["write"]
+        held = hold(client)
+        assert held is not None
+        client.write(b"first ")
+        release(client, held)
+        self.assertIs(vars(client)["write"], own)
+        self.assertNotIn("writeSequence", vars(client))
+        client.writeSequence([b"head "])  # gathered for the next turn
+        client.write(b"body ")
+        self.assertTrue(send_now(client, b"now"))
+        expected = b"xfirst head body now"
+        for _ in range(200):
+            if len(self.server.data) >= len(expected):
+                break
+            await deferLater(reactor, 0.005, lambda: None)
+        self.assertEqual(self.server.data, expected)
+
     async def test_queued_tcp_keeps_the_ordinary_path(self) -> None:
         tls, reader = await self.connection()
         tls.write(b"first ")  # queued on the TCP connection
@@ -826,6 +857,72 @@ class TLSSendNowTests(TestCase):
         self.assertIsNone(hold(tls))
         tls.write(b"second")
         self.assertEqual(await _received(reader, 12), b"first second")
+
+
+class _LoadEcho(Resource):
+    isLeaf = True
+
+    def render_POST(self, request: Any) -> bytes:
+        return b"ok:" + request.content.read()
+
+    def render_GET(self, request: Any) -> bytes:
+        return b"got"
+
+
+class TLSUpstreamLoadTests(TestCase):
+    """
+    nvproxy's upstream agent over TLS (the hop to a peer) with many requests
+    in flight on kept-alive connections and polls among them: every request
+    arrives whole and in order, whichever way each one was written (at
+    once, gathered by Twisted's TLS, or queued).
+    """
+
+    timeout = 60
+
+    async def test_every_request_arrives_whole(self) -> None:
+        from nvproxy.cluster import ClientTLS, ClusterState, Peer, ServerTLS
+        from nvproxy.proxy.listener import tls_personality
+        from nvproxy.proxy.upstream import BytesProducer, Upstream
+        from tests.test_cluster import make_dir
+
+        server_dir, client_dir = make_dir(self, "node-a"), make_dir(self, "node-b")
+        server_id, client_id = server_dir.identity(), client_dir.identity()
+        assert server_id is not None and client_id is not None
+        state = ClusterState(
+            server_id, (Peer("node-b", "127.0.0.1", client_id.fingerprint),)
+        )
+        factory = tls_personality(ServerTLS(lambda: state), Site(_LoadEcho()), reactor)
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[attr-defined]
+        self.addCleanup(port.stopListening)
+        creator = ClientTLS(client_id, "node-a", server_dir.fingerprint())
+        upstream = Upstream(reactor, 5.0, tls_for=lambda host, port: creator)
+        self.addCleanup(upstream.close)
+        base = f"https://127.0.0.1:{port.getHost().port}"
+        wrong: list[object] = []
+
+        async def worker(n: int) -> None:
+            for i in range(15):
+                body = b'{"worker": %d, "request": %d}' % (n, i)
+                response = await upstream.agent.request(
+                    b"POST",
+                    f"{base}/api/chat".encode(),
+                    Headers({b"content-type": [b"application/json"]}),
+                    BytesProducer(body),
+                )
+                got = await readBody(response)
+                if (response.code, got) != (200, b"ok:" + body):
+                    wrong.append((response.code, got))
+
+        async def poller() -> None:
+            for _ in range(30):
+                response = await upstream.treq.get(f"{base}/api/tags")
+                if await response.content() != b"got":
+                    wrong.append("poll")
+
+        work = [Deferred.fromCoroutine(worker(n)) for n in range(32)]
+        work.append(Deferred.fromCoroutine(poller()))
+        await gatherResults(work)
+        self.assertEqual(wrong, [])
 
 
 class CorkTests(TestCase):

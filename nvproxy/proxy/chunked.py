@@ -32,6 +32,8 @@ from twisted.web.http import (
     maxChunkSizeLineLength,
 )
 
+from nvproxy.proxy.cork import cover, uncover
+
 __all__ = ["CoalescingChunkedDecoder", "coalesce_chunks"]
 
 _LENGTH, _BODY, _CRLF, _TRAILER, _FINISHED = range(5)
@@ -305,22 +307,25 @@ class _CoalescingParser(HTTPClientParser):
         if transport is None:
             super().allHeadersReceived()  # type: ignore[no-untyped-call]
             return
-        kind = type(transport)
         due: list[bool] = []
+        resumed = partial(type(transport).resumeProducing, transport)
 
         def resume() -> None:
             due.clear()
-            kind.resumeProducing(transport)
+            resumed()
 
-        # For this call only (removed after it: no cycle is left behind).
-        transport.pauseProducing = partial(due.append, True)
-        transport.resumeProducing = resume
+        # For this call only (put back after it: no cycle is left behind).
+        pause = cover(transport, "pauseProducing", partial(due.append, True))
+        resume_ = cover(transport, "resumeProducing", resume)
+        if resume_ is not None:
+            resumed = resume_
         try:
             super().allHeadersReceived()  # type: ignore[no-untyped-call]
         finally:
-            del transport.pauseProducing, transport.resumeProducing
+            uncover(transport, "pauseProducing", pause)
+            uncover(transport, "resumeProducing", resume_)
         if due:
-            kind.pauseProducing(transport)
+            transport.pauseProducing()
 
     def switchToBodyMode(self, decoder: Any) -> None:
         if type(decoder) is _ChunkedTransferDecoder:

@@ -27,11 +27,23 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
+from attrs import frozen
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.tcp import Client, Server
 from twisted.protocols.tls import TLSMemoryBIOProtocol
 
-__all__ = ["CORK", "Cork", "Holder", "Turn", "hold", "release", "send_now"]
+__all__ = [
+    "CORK",
+    "Cork",
+    "Held",
+    "Holder",
+    "Turn",
+    "cover",
+    "hold",
+    "release",
+    "send_now",
+    "uncover",
+]
 
 
 class Holder(Protocol):
@@ -111,7 +123,9 @@ def _tcp_send(transport: Any, data: bytes) -> bool:
         # Lost: queue it, and the reactor's next write reports the loss.
         return False
     if sent < len(data):
-        transport.write(data[sent:])
+        # The class's write: under TLS, the instance's is _tcp_write_now,
+        # which would send the rest again ahead of this queue.
+        type(transport).write(transport, data[sent:])
     return True
 
 
@@ -119,6 +133,25 @@ def _tcp_write_now(transport: Any, data: bytes) -> None:
     """C{write} for a TCP connection under TLS, for the length of one call."""
     if not (_idle(transport) and _tcp_send(transport, data)):
         type(transport).write(transport, data)
+
+
+def cover(target: Any, name: str, value: object) -> Any:
+    """
+    Set C{target.name} to C{value} as an instance attribute; what the
+    instance had under that name (Twisted's client TLS keeps its C{write}
+    there) or C{None}, for L{uncover}.
+    """
+    before = vars(target).get(name)
+    setattr(target, name, value)
+    return before
+
+
+def uncover(target: Any, name: str, before: object) -> None:
+    """Put back what L{cover} covered."""
+    if before is None:
+        delattr(target, name)
+    else:
+        setattr(target, name, before)
 
 
 def send_now(transport: object, data: bytes) -> bool:
@@ -135,14 +168,19 @@ def send_now(transport: object, data: bytes) -> bool:
         return False
     tls: Any = transport
     tcp = tls.transport
+    # Twisted's client TLS gathers small writes until the next reactor turn
+    # (BufferingTLSTransport); what it gathered goes first.
+    aggregator = getattr(tls, "_aggregator", None)
+    if aggregator is not None:
+        aggregator.flush()
     # TLSMemoryBIOProtocol writes its records with its transport's write: for
-    # this call, that write sends at once (an instance attribute, removed
+    # this call, that write sends at once (an instance attribute, put back
     # after the call, so nothing is left pointing back at the connection).
-    tcp.write = partial(_tcp_write_now, tcp)
+    before = cover(tcp, "write", partial(_tcp_write_now, tcp))
     try:
-        tls.write(data)
+        TLSMemoryBIOProtocol.write(tls, data)
     finally:
-        del tcp.write
+        uncover(tcp, "write", before)
     return True
 
 
@@ -179,28 +217,42 @@ class Turn:
         self._used = False
 
 
-def hold(transport: Any) -> list[bytes] | None:
+@frozen
+class Held:
+    """What L{hold} keeps, and the transport's own attributes it covers."""
+
+    data: list[bytes]
+    write: object
+    writeSequence: object
+
+
+def hold(transport: Any) -> Held | None:
     """
     Start keeping what is written to C{transport} (TCP, or TLS over TCP,
-    with nothing queued); the list it goes to, or C{None} when the ordinary
-    path must be kept.  Always followed by L{release}, in a C{finally}.
+    with nothing queued), or C{None} when the ordinary path must be kept.
+    Always followed by L{release}, in a C{finally}.
     """
     if not (_idle(transport) or _tls_idle(transport)):
         return None
-    held: list[bytes] = []
-    transport.write = held.append
-    transport.writeSequence = held.extend
-    return held
+    data: list[bytes] = []
+    return Held(
+        data,
+        cover(transport, "write", data.append),
+        cover(transport, "writeSequence", data.extend),
+    )
 
 
-def release(transport: Any, held: list[bytes], turn: Turn | None = None) -> None:
+def release(transport: Any, held: Held, turn: Turn | None = None) -> None:
     """
-    Stop holding (L{hold}) and send what was held, in one piece: at once,
-    or, when C{turn} has already sent one at once, in Twisted's queue.
+    Stop holding (L{hold}), the transport's own C{write} back, and send what
+    was held, in one piece: at once, or, when C{turn} has already sent one
+    at once, the ordinary way.
     """
-    del transport.write, transport.writeSequence
-    if held:
-        data = held[0] if len(held) == 1 else b"".join(held)
+    uncover(transport, "write", held.write)
+    uncover(transport, "writeSequence", held.writeSequence)
+    pieces = held.data
+    if pieces:
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         if turn is not None:
             if not turn.available:
                 transport.write(data)
