@@ -5,6 +5,7 @@ does, with fewer callbacks.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hypothesis import given
@@ -144,6 +145,24 @@ class EquivalenceTests(SynchronousTestCase):
         pieces: list[bytes] = []
         taken = _whole_chunks(framed + b"0\r\n\r\n", pieces)
         self.assertEqual((taken, pieces), (len(framed), bodies))
+
+    @given(_framed(), st.data())
+    def test_one_chunk_per_read(self, framed: bytes, data: Any) -> None:
+        """
+        Reads that are each exactly one chunk (paced tokens), some cut or
+        joined: the same as Twisted's decoder, one callback per whole chunk.
+        """
+        cuts = []
+        pos = 0
+        while (
+            found := re.match(rb"([0-9a-fA-F]+)(;[^\r]*)?\r\n", framed[pos:])
+        ) and int(found[1], 16):
+            pos += found.end() + int(found[1], 16) + 2
+            cuts.append(pos)
+        cuts += data.draw(st.lists(st.integers(0, len(framed)), max_size=2))
+        pieces = _splits(framed, cuts)
+        ours = _run(CoalescingChunkedDecoder, pieces)
+        self.assertEqual(ours[:3], _run(_ChunkedTransferDecoder, pieces)[:3])
 
     def test_one_read_many_chunks_one_callback(self) -> None:
         body = b"".join(b"5\r\ntoken\r\n" for _ in range(50)) + b"0\r\n\r\n"

@@ -111,7 +111,18 @@ class CoalescingChunkedDecoder:
         return ("CHUNK_LENGTH", "BODY", "CRLF", "TRAILER", "FINISHED")[self._state]
 
     def dataReceived(self, data: bytes) -> None:
-        if self._state == _FINISHED:
+        if self._state == _LENGTH and not self._buffer:
+            # A read that is exactly one whole chunk (a token that arrives
+            # alone, paced generation's every read): its body at once.
+            found = _WHOLE_SIZE_LINE(data)
+            if found is not None:
+                start = found.end()
+                size = found[1]
+                stop = start + (_SIZES.get(size) or int(size, 16))
+                if stop > start and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                    self.dataCallback(data[start:stop])
+                    return
+        elif self._state == _FINISHED:
             raise RuntimeError(
                 "chunked decoder called after the last chunk was processed"
             )
