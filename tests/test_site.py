@@ -23,7 +23,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from nvproxy.engines import ENGINES
 from nvproxy.proxy.client import ClientSide
@@ -31,6 +31,7 @@ from nvproxy.proxy.cork import CORK, Turn, hold, release, send_now
 from nvproxy.proxy.listener import DemuxFactory
 from nvproxy.proxy.site import (
     ClientLimits,
+    FacadeRequest,
     FacadeSite,
     GuardedSite,
     _chunk_size_error,
@@ -1286,6 +1287,69 @@ class OriginFormTests(SynchronousTestCase):
         }
         for target, expected in cases.items():
             self.assertEqual(origin_form(target), expected, target)
+
+
+class _Pieces(Resource):
+    """Writes its body in pieces, an empty one among them."""
+
+    isLeaf = True
+
+    def render(self, request: Any) -> int:
+        for piece in (b"one", b"", b"two" * 100, b"\r\n0\r\n"):
+            request.write(piece)
+        request.finish()
+        return NOT_DONE_YET
+
+
+class ChunkedWriteTests(SynchronousTestCase):
+    """
+    L{FacadeRequest.write} frames a chunked body's pieces itself after the
+    head: the same bytes as Twisted's C{Request.write}, the same count of
+    bytes sent, and no body at all for a HEAD request.
+    """
+
+    def answer(self, request_class: Any, head: bytes) -> tuple[bytes, int]:
+        site = FacadeSite(
+            _Pieces(),
+            error_body=ENGINES["ollama"].error_body,
+            max_body=1000,
+            max_connections=10,
+            limits=LIMITS,
+            reactor=Clock(),
+        )
+        site.requestFactory = request_class
+        sent: list[int] = []
+        original = request_class.finish
+
+        def finish(request: Any) -> None:
+            sent.append(request.sentLength)
+            original(request)
+
+        self.patch(request_class, "finish", finish)
+        conn = _Connection(self, site)
+        conn.send(head)
+        return conn.output(), sent[0]
+
+    def test_same_as_twisted(self) -> None:
+        class Plain(FacadeRequest):
+            _chunks_direct = property(lambda self: False, lambda self, value: None)
+
+        for head in (
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET / HTTP/1.0\r\nHost: x\r\n\r\n",
+        ):
+            ours, theirs = self.answer(FacadeRequest, head), self.answer(Plain, head)
+            self.assertEqual(ours, theirs)
+        output, sent = self.answer(FacadeRequest, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertTrue(
+            output.endswith(
+                b"3\r\none\r\n12c\r\n"
+                + b"two" * 100
+                + b"\r\n5\r\n\r\n0\r\n\r\n0\r\n\r\n"
+            )
+        )
+        self.assertEqual(sent, 3 + 300 + 5)
 
 
 class DefaultHeadersTests(SynchronousTestCase):

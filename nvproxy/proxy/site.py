@@ -541,10 +541,35 @@ class FacadeRequest(Request):
             self._received_at = site.reactor.seconds()
         Request.requestReceived(self, command, origin_form(path), version)
 
+    _chunks_direct = False
+    """The head is written and the body is chunked as it is: L{write} frames
+    each piece itself (what Twisted's C{Request.write} does then, without
+    its checks for the first write, through C{toChunk}, C{writeSequence}
+    and a join, once per relayed read)."""
+
     def write(self, data: bytes) -> None:
+        if self._chunks_direct:
+            if self.finished:
+                raise RuntimeError(
+                    "Request.write called on a request after Request.finish was called."
+                )
+            if self._disconnected:
+                return
+            self.sentLength += len(data)
+            if data:
+                self.channel.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return
         if self._first_byte_at is None and self._received_at is not None:
             self._first_byte_at = self._access_to.reactor.seconds()
         Request.write(self, data)
+        if (
+            self.chunked
+            and self.startedWriting
+            and not self._inFakeHead
+            and self._encoder is None
+            and "write" not in vars(self)  # a HEAD or no-body answer's no-op
+        ):
+            self._chunks_direct = True
 
     def finish(self) -> None:
         Request.finish(self)
