@@ -36,6 +36,7 @@ from nvproxy.proxy.site import (
     GuardedSite,
     _chunk_size_error,
     origin_form,
+    when_lost,
 )
 from nvproxy.service import build
 from tests.test_service import service_config
@@ -1350,6 +1351,50 @@ class ChunkedWriteTests(SynchronousTestCase):
             )
         )
         self.assertEqual(sent, 3 + 300 + 5)
+
+
+class WhenLostTests(SynchronousTestCase):
+    """
+    L{when_lost}: told when the client goes away before the answer is
+    finished, in order, and never once it is finished.
+    """
+
+    def request(self) -> Any:
+        conn = _Connection(self, _facade_site(Clock()))
+        conn.channel.requests.append(FacadeRequest(conn.channel))
+        return conn.channel.requests[-1]
+
+    def test_lost_before_the_end(self) -> None:
+        request = self.request()
+        told: list[object] = []
+
+        def broken(reason: Failure) -> None:
+            raise ZeroDivisionError()
+
+        when_lost(request, lambda reason: told.append(("first", reason.type)))
+        when_lost(request, broken)
+        when_lost(request, lambda reason: told.append(("second", reason.type)))
+        request.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(told, [("first", ConnectionLost), ("second", ConnectionLost)])
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+        self.assertIsNone(request._on_lost)
+
+    def test_not_after_the_end(self) -> None:
+        request = self.request()
+        told: list[object] = []
+        when_lost(request, told.append)
+        request.finish()
+        self.assertIsNone(request._on_lost)
+        self.assertEqual(told, [])
+
+    def test_other_requests_use_notify_finish(self) -> None:
+        from twisted.web.test.requesthelper import DummyRequest
+
+        request = DummyRequest([b""])
+        told: list[object] = []
+        when_lost(request, told.append)
+        request.processingFailed(Failure(ConnectionLost()))
+        self.assertEqual(len(told), 1)
 
 
 class DefaultHeadersTests(SynchronousTestCase):

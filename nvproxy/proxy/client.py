@@ -18,6 +18,7 @@ from twisted.web.http_headers import Headers
 
 from nvproxy.jsonhttp import write_json
 from nvproxy.proxy.requestid import HEADER, request_id
+from nvproxy.proxy.site import when_lost
 from nvproxy.proxy.upstream import end_to_end
 
 
@@ -37,7 +38,7 @@ class ClientSide:
         self.aborted = False
         self.closed: Deferred[None] = Deferred()
         self._error_body = error_body
-        request.notifyFinish().addErrback(self._lost)
+        when_lost(request, self._lost)
 
     def _lost(self, reason: Failure) -> None:
         self.gone = True

@@ -53,6 +53,7 @@ from nvproxy.proxy.cors import is_preflight, origin_inventory, preflight
 from nvproxy.proxy.pathnorm import is_hidden, match_key, normalize_path
 from nvproxy.proxy.requestid import assign as assign_request_id
 from nvproxy.proxy.requestid import request_id
+from nvproxy.proxy.site import when_lost
 from nvproxy.proxy.urlgate import TextURLGate
 
 log = Logger()
@@ -551,7 +552,7 @@ class _FrontResource(Resource):
             _respond(request, result)
             return NOT_DONE_YET
         # the client left: cancel what is in progress (the job sees it)
-        request.notifyFinish().addErrback(lambda _: result.cancel())
+        when_lost(request, lambda _: result.cancel())
         result.addCallbacks(
             lambda r: _respond(request, r),
             lambda failure: _failed(front, request, failure),
