@@ -1387,6 +1387,21 @@ class WhenLostTests(SynchronousTestCase):
         self.assertIsNone(request._on_lost)
         self.assertEqual(told, [])
 
+    def test_client_side_closed(self) -> None:
+        """C{ClientSide.closed} fires when the client is gone, asked before or after."""
+        for asked_before in (True, False):
+            request = self.request()
+            client = ClientSide(request, ENGINES["ollama"].error_body)
+            if asked_before:
+                closed = client.closed
+                self.assertFalse(closed.called)
+            request.connectionLost(Failure(ConnectionLost()))
+            if not asked_before:
+                closed = client.closed
+            self.assertTrue(client.gone)
+            self.assertTrue(closed.called)
+            self.assertIs(client.closed, closed)
+
     def test_other_requests_use_notify_finish(self) -> None:
         from twisted.web.test.requesthelper import DummyRequest
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
@@ -36,13 +36,23 @@ class ClientSide:
         self.request = request
         self.gone = False
         self.aborted = False
-        self.closed: Deferred[None] = Deferred()
+        self._closed: Deferred[None] | None = None
         self._error_body = error_body
         when_lost(request, self._lost)
 
+    @property
+    def closed(self) -> Deferred[None]:
+        """Fires once the client's connection is gone (made when asked for:
+        only a cut stream waits for it)."""
+        if self._closed is None:
+            self._closed = succeed(None) if self.gone else Deferred()
+        return self._closed
+
     def _lost(self, reason: Failure) -> None:
         self.gone = True
-        self.closed.callback(None)
+        closed = self._closed
+        if closed is not None and not closed.called:
+            closed.callback(None)
 
     def start(self, status: int, phrase: bytes, headers: Headers) -> None:
         request = self.request
