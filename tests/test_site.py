@@ -528,6 +528,13 @@ async def _received(reader: _Reader, size: int) -> bytes:
     return reader.data
 
 
+def _sent_at_once(test: TestCase, transport: Any) -> None:
+    """Nothing of C{transport}'s is queued, and it is not watched for writability."""
+    test.assertEqual((transport.dataBuffer, transport._tempDataLen), (b"", 0))
+    # Not registered for writability: no poll round, no epoll_ctl.
+    test.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
+
+
 class SendNowTests(TestCase):
     """
     L{send_now}: on a plain TCP connection with nothing queued, bytes go to
@@ -555,9 +562,7 @@ class SendNowTests(TestCase):
     async def test_sent_in_the_call(self) -> None:
         transport, reader = await self.connection()
         self.assertTrue(send_now(transport, b"hello"))
-        self.assertEqual((transport.dataBuffer, transport._tempDataLen), (b"", 0))
-        # Not registered for writability: no poll round, no epoll_ctl.
-        self.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
+        _sent_at_once(self, transport)
         self.assertEqual(await _received(reader, 5), b"hello")
 
     async def test_queued_bytes_go_first(self) -> None:
@@ -623,8 +628,7 @@ class HoldTests(TestCase):
         # The class's write is back, nothing queued, no writability watch.
         self.assertNotIn("write", vars(transport))
         self.assertNotIn("writeSequence", vars(transport))
-        self.assertEqual((transport.dataBuffer, transport._tempDataLen), (b"", 0))
-        self.assertNotIn(transport, reactor.getWriters())  # type: ignore[attr-defined]
+        _sent_at_once(self, transport)
         self.assertEqual(await _received(reader, 13), b"head and body")
 
     async def test_nothing_held_nothing_sent(self) -> None:
@@ -801,8 +805,7 @@ class TLSSendNowTests(TestCase):
         tcp = tls.transport
         self.assertTrue(send_now(tls, b"hello over tls"))
         self.assertNotIn("write", vars(tcp))
-        self.assertEqual((tcp.dataBuffer, tcp._tempDataLen), (b"", 0))
-        self.assertNotIn(tcp, reactor.getWriters())  # type: ignore[attr-defined]
+        _sent_at_once(self, tcp)
         self.assertEqual(await _received(reader, 14), b"hello over tls")
 
     async def test_large_write_in_order(self) -> None:

@@ -319,7 +319,9 @@ class _CoalescingParser(HTTPClientParser):
             super().allHeadersReceived()  # type: ignore[no-untyped-call]
             return
         due: list[bool] = []
-        resumed = partial(type(transport).resumeProducing, transport)
+        resumed = vars(transport).get("resumeProducing") or partial(
+            type(transport).resumeProducing, transport
+        )
 
         def resume() -> None:
             due.clear()
@@ -328,8 +330,6 @@ class _CoalescingParser(HTTPClientParser):
         # For this call only (put back after it: no cycle is left behind).
         pause = cover(transport, "pauseProducing", partial(due.append, True))
         resume_ = cover(transport, "resumeProducing", resume)
-        if resume_ is not None:
-            resumed = resume_
         try:
             super().allHeadersReceived()  # type: ignore[no-untyped-call]
         finally:

@@ -14,11 +14,17 @@ before any is sent).
 
 So while an upstream read is handled (L{Cork.during}), a facade channel holds
 what it is asked to write and tells the cork (L{Cork.holding}); when the read
-has been handled,
-each holder that held something is told to flush (L{Holder.flush}) and hands
-it to its socket in one call, or queues it behind what is already queued
-(L{send_now}).  Nothing waits for anything but the end
+has been handled, each holder that held something is told to flush
+(L{Holder.flush}) and hands it to its socket in one call, or queues it behind
+what is already queued (L{send_now}).  Nothing waits for anything but the end
 of the read it came from.
+
+A request to an engine or a peer is written the same way: Twisted's client
+protocol writes its head and body with a C{write} each, and L{hold} and
+L{release} keep them for the length of that call and send them in one piece
+at its end, when it is the reactor turn's first (L{Turn}; the others take
+Twisted's queue).  L{send_now} also sends through TLS (a peer's connection):
+the records OpenSSL makes of the bytes go to the socket as they come.
 """
 
 from __future__ import annotations
