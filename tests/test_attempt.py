@@ -10,6 +10,7 @@ import io
 import json
 from typing import Any
 
+import attrs
 from attrs import define, field
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, Cooperator
@@ -36,6 +37,7 @@ from nvproxy.proxy.client import (
     ClientSide,
     error_frame,
 )
+from nvproxy.proxy.upstream import IN_MEMORY_LIMIT
 
 TIMEOUT = 30.0
 
@@ -48,12 +50,14 @@ class FakeAgent:
 
     requests: list[tuple[bytes, bytes, Headers]] = field(factory=list)
     pending: list[Deferred[Any]] = field(factory=list)
+    bodies: list[Any] = field(factory=list)
     cancelled: int = 0
 
     def request(
         self, method: bytes, uri: bytes, headers: Headers, body: Any = None
     ) -> Deferred[Any]:
         self.requests.append((method, uri, headers))
+        self.bodies.append(body)
 
         def cancel(d: Deferred[Any]) -> None:
             self.cancelled += 1
@@ -223,6 +227,55 @@ class AttemptTests(_AttemptCase):
         self.assertTrue(self.client_request.finished)
         self.assertIsNone(self.client_request.producer)
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def sent(self, index: int = 0) -> bytes:
+        """What the body producer of attempt C{index} writes."""
+        transport = StringTransport()
+        self.agent.bodies[index].startProducing(transport)
+        return transport.value()
+
+    def test_commit_lets_the_body_go(self) -> None:
+        """
+        Once an attempt commits nothing sends the request body again, so a
+        long stream holds no copy of its prompt: the producer forgets it and
+        the buffered body is closed.
+        """
+        attempt = self.start()
+        self.assertEqual(self.sent(), b'{"model": "m"}')
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        self.assertFalse(self.upstream.content.closed)
+        r._bodyDataReceived(b"x")
+        self.assertIsInstance(self.successResultOf(attempt.result), Committed)
+        self.assertTrue(self.upstream.content.closed)
+        self.assertEqual(self.sent(), b"")
+
+    def test_failed_attempt_keeps_the_body(self) -> None:
+        """
+        An attempt that fails before commit leaves the body for the next
+        one, which sends it whole.
+        """
+        attempt = self.start()
+        self.agent.pending[0].callback(response(503))
+        self.assertIsInstance(self.successResultOf(attempt.result), AttemptFailed)
+        self.assertFalse(self.upstream.content.closed)
+        self.start()
+        self.assertEqual(self.sent(1), b'{"model": "m"}')
+
+    def test_streamed_body_is_left_to_the_request(self) -> None:
+        """
+        A body too large for one write may still be going out when the
+        engine answers: commit leaves it alone.
+        """
+        self.upstream = attrs.evolve(
+            self.upstream, content=io.BytesIO(b"x" * (IN_MEMORY_LIMIT + 1))
+        )
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"x")
+        self.assertIsInstance(self.successResultOf(attempt.result), Committed)
+        self.assertFalse(self.upstream.content.closed)
 
     def test_eof_commits(self) -> None:
         attempt = self.start()

@@ -48,7 +48,12 @@ from nvproxy.proxy.client import (
     ClientSide,
     error_frame,
 )
-from nvproxy.proxy.upstream import REQUEST_DROP, body_producer, end_to_end
+from nvproxy.proxy.upstream import (
+    REQUEST_DROP,
+    body_producer,
+    end_to_end,
+    release_body,
+)
 
 log = Logger()
 _DONE = Failure(ResponseDone())
@@ -185,11 +190,10 @@ class HttpAttempt:
         self._done: Deferred[StreamEnd] = Deferred()
         self._producer_registered = False
         headers = end_to_end(request.headers, REQUEST_DROP)
+        self._content: Any = request.content
+        self._producer = body_producer(request.content, settings.cooperator)
         self._pending: Deferred[IResponse] | None = settings.agent.request(
-            request.method,
-            target.url,
-            headers,
-            body_producer(request.content, settings.cooperator),
+            request.method, target.url, headers, self._producer
         )
         if response_timeout > 0:
             self._timer = clock.callLater(response_timeout, self._header_timeout)
@@ -272,6 +276,8 @@ class HttpAttempt:
         response = self._response
         assert response is not None
         self._client.start(response.code, response.phrase, response.headers)
+        release_body(self._content, self._producer)
+        self._content = self._producer = None
         self.result.callback(Committed(self.node_id, response.code, self._done))
         return True
 

@@ -128,6 +128,10 @@ class BytesProducer:
         consumer.write(self._body)
         return succeed(None)
 
+    def release(self) -> None:
+        """Let the body go: nothing will send it again (L{release_body})."""
+        self._body = b""
+
     def pauseProducing(self) -> None:
         pass
 
@@ -225,6 +229,24 @@ def body_producer(content: IO[bytes], cooperator: Cooperator) -> IBodyProducer |
         content.seek(0)
         return BytesProducer(data)
     return RangeBodyProducer(content, size, cooperator)
+
+
+def release_body(content: IO[bytes], producer: IBodyProducer | None) -> None:
+    """
+    Let an in-memory request body go once its attempt has committed: the
+    engine has answered, so neither another attempt nor a resend on a fresh
+    connection (L{_Reused}) can follow, and a long stream holds no copy of
+    its prompt.  A body that went out in one write (L{BytesProducer}) is
+    dropped by the producer and the request's buffer; one still streaming
+    (L{RangeBodyProducer}: the engine may answer before it has read all of
+    it) is left to the request's own cleanup.
+    """
+    if isinstance(producer, BytesProducer):
+        producer.release()
+    elif producer is not None:
+        return
+    if isinstance(content, io.BytesIO):
+        content.close()
 
 
 @implementer(IAgentEndpointFactory)
