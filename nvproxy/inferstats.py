@@ -50,15 +50,15 @@ Dialect = Literal["openai", "ollama", "llamacpp"]
 HEAD_BYTES = 2048
 """How much of the body's start is kept to recognise a role-only first event."""
 
-TAIL_LINES = 16
+TAIL_LINES = 8
 """
-How many lines a stream's window keeps at least: eight SSE events or
-sixteen NDJSON records, which hold an engine's report and the events the
-estimate discounts (its last event or the one before, the finishing chunks
-before them, C{[DONE]}).
+How many lines a stream's window keeps at least: four SSE events or eight
+NDJSON records, which hold an engine's report and the events the estimate
+discounts (its last event or the one before, the finishing chunk before
+them, C{[DONE]}: vLLM's finish, usage and C{[DONE]} are three).
 """
 
-_TRIM_AT = 3072
+_TRIM_AT = 1536
 """A stream's window is cut back to its last L{TAIL_LINES} lines past this."""
 
 _SSE_EVENT = b"\ndata:"
@@ -223,7 +223,7 @@ class StatsMeter:
         if len(tail) > self._trim_at:
             del tail[: _lines_cut(tail)]
             # long lines: not cut again at every chunk
-            self._trim_at = min(self._limit, max(_TRIM_AT, len(tail) + 1024))
+            self._trim_at = min(self._limit, max(_TRIM_AT, len(tail) + _TRIM_AT // 2))
 
     def _lines_found(self) -> None:
         self._lined = True
