@@ -513,6 +513,45 @@ def _guarded(what: str, call: Callable[[], None]) -> None:
         log.failure("dispatch: {what} raised", what=what)
 
 
+Subscribe = Callable[[Callable[[], None]], Callable[[], None]]
+"""Registers a discovery-change callback; returns its unsubscribe function."""
+
+
+class _Watch:
+    """
+    One discovery registration for every running job dispatched with the
+    same C{subscribe}: each change is told to each of them, in the order
+    they were dispatched, and a job costs a dict entry instead of a
+    registration and an unsubscribe closure of its own.
+    """
+
+    def __init__(self, forget: Callable[[], object]) -> None:
+        self._jobs: dict[int, _JobInputs] = {}
+        self._forget = forget
+        self._unsubscribe: Callable[[], None] | None = None
+        self.closed = False
+
+    def join(self, job: int, machine: _JobInputs) -> None:
+        self._jobs[job] = machine
+
+    def subscribed(self, unsubscribe: Callable[[], None]) -> None:
+        self._unsubscribe = unsubscribe
+        if self.closed:  # the only job ended while subscribing
+            _guarded("unsubscribe", unsubscribe)
+
+    def changed(self) -> None:
+        for machine in list(self._jobs.values()):
+            _guarded("discovery_changed", machine.discovery_changed)
+
+    def leave(self, job: int) -> None:
+        if self._jobs.pop(job, None) is None or self._jobs:
+            return
+        self.closed = True
+        self._forget()
+        if self._unsubscribe is not None:
+            _guarded("unsubscribe", self._unsubscribe)
+
+
 @define
 class _JobCore:
     """
@@ -987,6 +1026,7 @@ class Dispatcher:
         self._idle: list[Deferred[None]] = []
         self._ids = itertools.count(1)
         self._stopped = False
+        self._watches: dict[Subscribe, _Watch] = {}
 
     def dispatch(
         self,
@@ -995,7 +1035,7 @@ class Dispatcher:
         *,
         inference: bool,
         observer: JobObserver | None = None,
-        subscribe: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+        subscribe: Subscribe | None = None,
         created_at: float | None = None,
         present: Callable[[str], bool] | None = None,
     ) -> Deferred[JobOutcome]:
@@ -1008,9 +1048,11 @@ class Dispatcher:
             otherwise candidates are resolved once and each tried at most
             once, the last one final.
         @param subscribe: registers a discovery-change callback and returns
-            its unsubscribe function (called when the job ends).  On change,
-            if the in-flight attempt's node is no longer in C{resolver()},
-            that attempt is cancelled (§5.3).
+            its unsubscribe function.  On change, if the in-flight attempt's
+            node is no longer in C{resolver()}, that attempt is cancelled
+            (§5.3).  Jobs dispatched with the same C{subscribe} share one
+            registration, made for the first of them and undone when the
+            last one ends (L{_Watch}).
         @param present: whether a node still owns what the job asks for;
             when given, a discovery change asks it instead of C{resolver()}
             (which may have side effects such as taking reservations), and
@@ -1047,15 +1089,13 @@ class Dispatcher:
             machine.stop("client_gone")
 
         core.result = Deferred(client_gone)
-        unsubscribe = (
-            None if subscribe is None else subscribe(machine.discovery_changed)
-        )
+        watch = None if subscribe is None else self._watch(subscribe, job, machine)
 
         def forget() -> None:
             self._jobs.pop(job, None)
             self._cores.pop(job, None)
-            if unsubscribe is not None:
-                _guarded("unsubscribe", unsubscribe)
+            if watch is not None:
+                watch.leave(job)
             if not self._jobs:
                 waiters, self._idle = self._idle, []
                 for waiter in waiters:
@@ -1066,6 +1106,18 @@ class Dispatcher:
         self._cores[job] = core
         machine.start()
         return core.result
+
+    def _watch(self, subscribe: Subscribe, job: int, machine: _JobInputs) -> _Watch:
+        watch = self._watches.get(subscribe)
+        if watch is None or watch.closed:
+            watch = self._watches[subscribe] = _Watch(
+                lambda: self._watches.pop(subscribe, None)
+            )
+            watch.join(job, machine)
+            watch.subscribed(subscribe(watch.changed))
+        else:
+            watch.join(job, machine)
+        return watch
 
     def _refuse(self, sink: ClientSink, observer: JobObserver) -> Deferred[JobOutcome]:
         reason = RejectReason.SHUTDOWN

@@ -652,6 +652,36 @@ class OwnerTests(SynchronousTestCase):
         b.last.end()
         self.assertEqual(self.successResultOf(d).node_id, "b")
 
+    def test_jobs_share_one_subscription(self) -> None:
+        """
+        Jobs dispatched with the same C{subscribe} hold one registration,
+        made for the first and undone when the last ends; a change reaches
+        each running job, and a job that ended is no longer told.
+        """
+        h = Harness()
+        a, b = h.target("a"), h.target("b")
+        h.discovery.set(a, b)
+        first, second = h.dispatch(), h.dispatch()
+        self.assertEqual(len(h.discovery.subscribers), 1)
+        first_attempt, second_attempt = a.attempts
+        first_attempt.commit(200)
+        first_attempt.end()
+        self.assertEqual(self.successResultOf(first).state, "completed")
+        self.assertEqual(len(h.discovery.subscribers), 1)
+        h.discovery.set(b)
+        self.assertEqual(first_attempt.calls, [])
+        self.assertEqual(second_attempt.calls, ["cancel"])
+        b.last.commit(200)
+        b.last.end()
+        self.assertEqual(self.successResultOf(second).node_id, "b")
+        self.assertEqual(h.discovery.subscribers, [])
+        third = h.dispatch()
+        self.assertEqual(len(h.discovery.subscribers), 1)
+        b.last.commit(200)
+        b.last.end()
+        self.successResultOf(third)
+        self.assertEqual(h.discovery.subscribers, [])
+
     def test_asynchronous_cancel(self) -> None:
         """
         cancel() may report TARGET_LOST later; a second discovery change does
