@@ -70,6 +70,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from random import random as _default_random
 from typing import Literal, Protocol
 
@@ -513,6 +514,13 @@ def _guarded(what: str, call: Callable[[], None]) -> None:
         log.failure("dispatch: {what} raised", what=what)
 
 
+def _client_gone(
+    core: _JobCore, machine: _JobInputs, result: Deferred[JobOutcome]
+) -> None:
+    core.client_gone = True
+    machine.stop("client_gone")
+
+
 Subscribe = Callable[[Callable[[], None]], Callable[[], None]]
 """Registers a discovery-change callback; returns its unsubscribe function."""
 
@@ -822,9 +830,7 @@ def _start_attempt(
         log.failure("dispatch: attempt on {node} errbacked", reason, node=node_id)
         c.attempt_failed(attempt, AttemptFailed(node_id, FailureKind.TRANSPORT))
 
-    attempt.result.addCallbacks(deliver, broken).addErrback(
-        lambda reason: log.failure("dispatch: job {job} machine", reason, job=core.job)
-    )
+    attempt.result.addCallbacks(deliver, broken).addErrback(_machine_failed, core.job)
     return _InFlight(attempt, node_id, final, number)
 
 
@@ -838,16 +844,20 @@ def _schedule_tick(
 def _start_streaming(
     c: _JobInputs, core: _JobCore, attempt: Attempt, committed: Committed
 ) -> _Streaming:
-    def broken(reason: Failure) -> None:
-        log.failure(
-            "dispatch: stream from {node} errbacked", reason, node=committed.node_id
-        )
-        c.stream_ended(StreamEnd.TRUNCATED)
-
-    committed.done.addCallbacks(c.stream_ended, broken).addErrback(
-        lambda reason: log.failure("dispatch: job {job} machine", reason, job=core.job)
-    )
+    # (Functions with arguments, not closures: a stream keeps them to its end.)
+    committed.done.addCallbacks(
+        c.stream_ended, _stream_broken, errbackArgs=(c, committed.node_id)
+    ).addErrback(_machine_failed, core.job)
     return _Streaming(attempt, committed)
+
+
+def _stream_broken(reason: Failure, c: _JobInputs, node_id: str) -> None:
+    log.failure("dispatch: stream from {node} errbacked", reason, node=node_id)
+    c.stream_ended(StreamEnd.TRUNCATED)
+
+
+def _machine_failed(reason: Failure, job: int) -> None:
+    log.failure("dispatch: job {job} machine", reason, job=job)
 
 
 def _build_machine() -> Callable[[_JobCore], _JobInputs]:
@@ -1084,28 +1094,24 @@ class Dispatcher:
         )
         machine = _JobMachine(core)
 
-        def client_gone(result: Deferred[JobOutcome]) -> None:
-            core.client_gone = True
-            machine.stop("client_gone")
-
-        core.result = Deferred(client_gone)
+        # (Bound arguments, not closures: an open stream keeps both.)
+        core.result = Deferred(partial(_client_gone, core, machine))
         watch = None if subscribe is None else self._watch(subscribe, job, machine)
-
-        def forget() -> None:
-            self._jobs.pop(job, None)
-            self._cores.pop(job, None)
-            if watch is not None:
-                watch.leave(job)
-            if not self._jobs:
-                waiters, self._idle = self._idle, []
-                for waiter in waiters:
-                    waiter.callback(None)
-
-        core.on_finish = forget
+        core.on_finish = partial(self._forget, job, watch)
         self._jobs[job] = machine
         self._cores[job] = core
         machine.start()
         return core.result
+
+    def _forget(self, job: int, watch: _Watch | None) -> None:
+        self._jobs.pop(job, None)
+        self._cores.pop(job, None)
+        if watch is not None:
+            watch.leave(job)
+        if not self._jobs:
+            waiters, self._idle = self._idle, []
+            for waiter in waiters:
+                waiter.callback(None)
 
     def _watch(self, subscribe: Subscribe, job: int, machine: _JobInputs) -> _Watch:
         watch = self._watches.get(subscribe)

@@ -24,6 +24,7 @@ Errors the proxy itself produces use the engine's error dialect.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from attrs import frozen
@@ -79,6 +80,69 @@ class _Sink:
         if self._model is not None:
             message = f"{message} (model {self._model!r})"
         self._client.reject(status, message, retry_after)
+
+
+class _Candidates:
+    """
+    One request's nodes, for its job: the live owners of its model in
+    order (C{resolve}, a L{nvproxy.dispatch.Resolver}) and whether a node
+    still is one (C{present}, the target-lost check of §5.3).  One object
+    with two methods, not two closures over the same five values: an open
+    stream keeps them until it ends.
+    """
+
+    __slots__ = ("_accounting", "_client", "_facade", "_model", "_upstream")
+
+    def __init__(
+        self,
+        facade: Facade,
+        model: str | None,
+        upstream: UpstreamRequest,
+        client: ClientSide,
+        accounting: RequestAccounting,
+    ) -> None:
+        self._facade = facade
+        self._model = model
+        self._upstream = upstream
+        self._client = client
+        self._accounting = accounting
+
+    def resolve(self) -> Sequence[Target]:
+        facade, model = self._facade, self._model
+        engine = facade.engine
+        snapshot = facade._discovery.current
+        if model is not None:
+            entries: Sequence[NodeEntry] = snapshot.owners(engine.id, model)
+        else:
+            entries = snapshot.nodes(engine.id)
+        accounting = self._accounting
+        entries = accounting.order(entries)
+        others = len(entries) > 1
+        targets: list[Target] = []
+        for entry in entries:
+            if model is not None:
+                endpoint: Endpoint | None = entry.models[model]
+            else:
+                endpoint = facade.backend.modelless_endpoint(entry)
+            if endpoint is not None:
+                targets.append(
+                    facade._target(
+                        endpoint,
+                        self._upstream,
+                        self._client,
+                        accounting,
+                        model,
+                        others,
+                    )
+                )
+        return targets
+
+    def present(self, node_id: str) -> bool:
+        """Whether C{node_id} still answers for this engine (and advertises
+        the model) in the live snapshot."""
+        model = self._model
+        entry = self._facade._discovery.current.node(self._facade.engine.id, node_id)
+        return entry is not None and (model is None or entry.advertises(model))
 
 
 @frozen
@@ -313,7 +377,7 @@ class Facade(_Front):
             request_id=request_id(request),
         )
         # (The dispatcher resolves a non-inference request once, §5.1.)
-        resolver = self._resolver(model, upstream, client, accounting)
+        candidates = _Candidates(self, model, upstream, client, accounting)
         log.debug(
             "{engine} {kind} {method} {path} model={model}",
             engine=self.engine.id,
@@ -323,64 +387,17 @@ class Facade(_Front):
             model=model,
         )
         d = self._dispatcher.dispatch(
-            resolver,
+            candidates.resolve,
             _Sink(client, model),
             inference=inference,
             observer=accounting,
             subscribe=self._subscribe,
-            present=self._present(model),
+            present=candidates.present,
         )
         return _settle(d, client)
 
-    def _present(self, model: str | None) -> Callable[[str], bool]:
-        """
-        Whether a node still answers for this engine (and advertises
-        C{model}) in the live snapshot: the target-lost check of §5.3.
-        """
-        engine = self.engine.id
-
-        def present(node_id: str) -> bool:
-            entry = self._discovery.current.node(engine, node_id)
-            return entry is not None and (model is None or entry.advertises(model))
-
-        return present
-
     def _subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
         return self._discovery.subscribe(lambda _snapshot: callback())
-
-    def _resolver(
-        self,
-        model: str | None,
-        upstream: UpstreamRequest,
-        client: ClientSide,
-        accounting: RequestAccounting,
-    ) -> Callable[[], Sequence[Target]]:
-        engine = self.engine
-        backend = self.backend
-
-        def resolve() -> Sequence[Target]:
-            snapshot = self._discovery.current
-            if model is not None:
-                entries: Sequence[NodeEntry] = snapshot.owners(engine.id, model)
-            else:
-                entries = snapshot.nodes(engine.id)
-            entries = accounting.order(entries)
-            others = len(entries) > 1
-            targets: list[Target] = []
-            for entry in entries:
-                if model is not None:
-                    endpoint: Endpoint | None = entry.models[model]
-                else:
-                    endpoint = backend.modelless_endpoint(entry)
-                if endpoint is not None:
-                    targets.append(
-                        self._target(
-                            endpoint, upstream, client, accounting, model, others
-                        )
-                    )
-            return targets
-
-        return resolve
 
     def _preflight(self, request: Any) -> Deferred[None]:
         endpoints = []
@@ -549,18 +566,26 @@ class _FrontResource(Resource):
             front._internal_error(request, Failure())
             result = None
         if not isinstance(result, Deferred):
-            _respond(request, result)
+            _respond(result, request)
             return NOT_DONE_YET
         # the client left: cancel what is in progress (the job sees it)
-        when_lost(request, lambda _: result.cancel())
+        when_lost(request, partial(_cancel, result))
+        # (Functions with arguments, not closures: an open stream keeps
+        # these until it ends, and a closure and its cells cost more.)
         result.addCallbacks(
-            lambda r: _respond(request, r),
-            lambda failure: _failed(front, request, failure),
+            _respond,
+            _failed,
+            callbackArgs=(request,),
+            errbackArgs=(front, request),
         )
         return NOT_DONE_YET
 
 
-def _respond(request: Any, result: object) -> None:
+def _cancel(result: Deferred[Any], reason: object) -> None:
+    result.cancel()
+
+
+def _respond(result: object, request: Any) -> None:
     if request.finished or request._disconnected:
         return
     if isinstance(result, bytes):
@@ -568,12 +593,12 @@ def _respond(request: Any, result: object) -> None:
     request.finish()
 
 
-def _failed(front: _Front, request: Any, failure: Failure) -> None:
+def _failed(failure: Failure, front: _Front, request: Any) -> None:
     if request.finished or request._disconnected:
         if not failure.check(CancelledError):
             front._log_failure(request, failure)
         return
-    _respond(request, front._internal_error(request, failure))
+    _respond(front._internal_error(request, failure), request)
 
 
 class _Personalities(Resource):
@@ -620,15 +645,16 @@ def _settle(d: Deferred[JobOutcome], client: ClientSide) -> Deferred[object]:
     the response first and make a cut stream look whole with a final chunk.
     """
 
-    def settled(outcome: JobOutcome | None) -> object:
-        if outcome is not None:
-            record = access_of(client.request)
-            record.node, record.attempts = outcome.node_id, outcome.attempts
-        if client.aborted and not client.gone:
-            return client.closed
-        return outcome
+    return d.addErrback(_cancelled_is_fine).addCallback(_settled, client)
 
-    return d.addErrback(_cancelled_is_fine).addCallback(settled)
+
+def _settled(outcome: JobOutcome | None, client: ClientSide) -> object:
+    if outcome is not None:
+        record = access_of(client.request)
+        record.node, record.attempts = outcome.node_id, outcome.attempts
+    if client.aborted and not client.gone:
+        return client.closed
+    return outcome
 
 
 def _cancelled_is_fine(failure: Failure) -> JobOutcome | None:
