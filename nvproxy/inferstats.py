@@ -7,7 +7,7 @@ chunk: it keeps a bounded tail window and a few counters (first-byte time, last-
 time, byte total, SSE ``data:`` events, newline-delimited records), and never parses
 JSON. The window is the body's last ``tail_bytes``; once the body shows itself a
 stream of lines (an SSE event, or an NDJSON record on its first line) it keeps only
-the last :data:`TAIL_LINES` lines past a few KB, which is what an open stream costs.
+the last :data:`TAIL_LINES` lines past 1.5 KB, which is what an open stream costs.
 :meth:`StatsMeter.finish` parses only the tail window, once:
 
 * OpenAI ``usage`` (the last SSE event carrying it, or the non-streaming body);

@@ -535,7 +535,7 @@ class StatsMeterTests(SynchronousTestCase):
     def test_stream_window_keeps_last_lines(self) -> None:
         """
         An open stream holds only its last L{TAIL_LINES} lines once its
-        window passes a few KB, not the whole C{tail_bytes}: what each open
+        window passes 1.5 KB, not the whole C{tail_bytes}: what each open
         stream costs in memory.  The report and the estimate come out as
         with the whole window.
         """
