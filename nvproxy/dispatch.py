@@ -1114,15 +1114,16 @@ class Dispatcher:
                 waiter.callback(None)
 
     def _watch(self, subscribe: Subscribe, job: int, machine: _JobInputs) -> _Watch:
+        # A watch that closed has already left the table (its forget).
         watch = self._watches.get(subscribe)
-        if watch is None or watch.closed:
+        fresh = watch is None
+        if watch is None:
             watch = self._watches[subscribe] = _Watch(
                 lambda: self._watches.pop(subscribe, None)
             )
-            watch.join(job, machine)
+        watch.join(job, machine)
+        if fresh:
             watch.subscribed(subscribe(watch.changed))
-        else:
-            watch.join(job, machine)
         return watch
 
     def _refuse(self, sink: ClientSink, observer: JobObserver) -> Deferred[JobOutcome]:
