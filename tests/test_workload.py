@@ -24,6 +24,7 @@ from nvproxy.workload import (
     WorkloadSink,
 )
 
+TERMINAL_METHODS = ("workload:completed", "workload:errored")
 NODE_A = "11111111-1111-1111-1111-111111111111"
 NODE_B = "22222222-2222-2222-2222-222222222222"
 STATS = Stats(12, 340, 42.3, 812)
@@ -414,6 +415,139 @@ class RingSinkTests(SynchronousTestCase):
 
     def test_bad_maxlen(self) -> None:
         self.assertRaises(ValueError, RingSink, 0)
+
+    def test_fields_partitioned(self) -> None:
+        """Every field is stored once: constant per workload or per event."""
+        import attrs
+
+        from nvproxy.workload import _CONSTANT, _VARYING
+
+        self.assertEqual(
+            sorted([*_CONSTANT, *_VARYING]), sorted(attrs.fields_dict(WorkloadInfo))
+        )
+        self.assertFalse(set(_CONSTANT) & set(_VARYING))
+
+    @settings(max_examples=60)
+    @given(
+        st.lists(
+            st.lists(
+                st.one_of(
+                    st.just(("admitted",)),
+                    st.tuples(
+                        st.just("dispatching"), st.sampled_from([NODE_A, NODE_B])
+                    ),
+                    st.just(("between",)),
+                    st.tuples(
+                        st.just("committed"),
+                        st.sampled_from([NODE_A, NODE_B]),
+                        st.sampled_from([200, 404, 503]),
+                    ),
+                    st.tuples(
+                        st.just("finished"),
+                        st.sampled_from(["completed", "failed", "cancelled"]),
+                        st.sampled_from([None, 200, 502]),
+                        st.sampled_from([None, "truncated", "client went away"]),
+                        st.booleans(),
+                    ),
+                    st.tuples(st.just("tick"), st.integers(0, 3000)),
+                ),
+                max_size=8,
+            ),
+            min_size=1,
+            max_size=6,
+        ),
+        st.integers(1, 4),
+    )
+    def test_same_json_as_each_event(
+        self, scripts: list[list[tuple[Any, ...]]], maxlen: int
+    ) -> None:
+        """
+        What the ring reports is, event for event, the JSON of the record each
+        event carried: its compact storage loses and invents nothing.
+        """
+        ring = RingSink(maxlen=maxlen)
+        oracle = ListSink()
+        clock = Clock()
+        clock.advance(1716998400)
+        recorder = WorkloadRecorder(clock, [ring, oracle], "run", "origin")
+        trackers = [
+            recorder.begin(
+                "ollama",
+                f"m{n}",
+                requester_id=None if n % 2 else f"key{n}",
+                request_id=None if n % 3 else f"req{n}",
+            )
+            for n in range(len(scripts))
+        ]
+        # Interleave the workloads' hooks, one step of each in turn.
+        for step in range(max(map(len, scripts))):
+            for tracker, script in zip(trackers, scripts, strict=True):
+                if step >= len(script):
+                    continue
+                hook = script[step]
+                if hook[0] == "admitted":
+                    tracker.admitted()
+                elif hook[0] == "dispatching":
+                    tracker.dispatching(hook[1], 1)
+                elif hook[0] == "between":
+                    tracker.between_attempts()
+                elif hook[0] == "committed":
+                    tracker.committed(hook[1], hook[2])
+                elif hook[0] == "finished":
+                    stats = STATS if hook[4] else None
+                    tracker.finished(
+                        FakeOutcome(hook[1], hook[2], reason=hook[3]), stats
+                    )
+                else:
+                    clock.advance(hook[1] / 1000)
+        by_id: dict[str, list[tuple[str, WorkloadInfo]]] = {}
+        for method, info in oracle.events:
+            by_id.setdefault(info.id, []).append((method, info))
+        finished = sorted(
+            (i for i, events in by_id.items() if events[-1][0] in TERMINAL_METHODS),
+            key=lambda i: by_id[i][-1][1].seq,
+        )
+        kept = {i for i in by_id if i not in finished} | set(finished[-maxlen:])
+        expected = sorted(
+            (by_id[i] for i in kept),
+            key=lambda events: (events[0][1].createdAt, events[0][1].seq),
+            reverse=True,
+        )
+        self.assertEqual(
+            ring.recent(),
+            [
+                {
+                    "workloadInfo": events[-1][1].to_json(),
+                    "events": [
+                        {"method": m, "workloadInfo": i.to_json()} for m, i in events
+                    ],
+                }
+                for events in expected
+            ],
+        )
+
+    def test_finished_entry_small(self) -> None:
+        """
+        A finished workload of four events holds under 1 KB in the ring (a
+        record per event was about 1.9 KB): the ring keeps a thousand.
+        Measured with tracemalloc, which counts allocations, not time.
+        """
+        import gc
+        import tracemalloc
+
+        ring = RingSink(maxlen=200)
+        self.run_workloads(ring, 10)  # warm: interned names, the deque's blocks
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            recorder = self.run_workloads(ring, 200)
+            del recorder
+            gc.collect()
+            after = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        self.assertLess((after - before) / 190, 1024)
 
 
 class ChangedTests(SynchronousTestCase):
