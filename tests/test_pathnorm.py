@@ -171,6 +171,30 @@ class IsHiddenTests(SynchronousTestCase):
         self.assertTrue(is_hidden(b"/ops/x", frozenset(), ("/OPS/",)))
         self.assertFalse(is_hidden(b"/admin", frozenset(), ()))
 
+    def test_root_prefix_hides_all(self) -> None:
+        self.assertTrue(is_hidden(b"/v1/models", frozenset(), ("/",)))
+
+    @given(
+        st.lists(
+            st.sampled_from(["a", "A", "b", "ad", "/", ".", "..", ";p", "%2F", "x"]),
+            max_size=6,
+        ),
+        st.lists(st.sampled_from(["/a", "/A/", "/ab", "/a/b", "/b"]), max_size=3),
+    )
+    def test_same_as_each_prefix_in_turn(
+        self, parts: list[str], prefixes: list[str]
+    ) -> None:
+        """The one-pass lookup decides as comparing each prefix in turn did."""
+        raw = ("/" + "".join(parts)).encode()
+        hidden = frozenset({"/ad"})
+        key = match_key(raw)
+        keys = [match_key(p.encode()) or "" for p in prefixes]
+        expected = key is None or (
+            key in {"/ad"}
+            or any(key == k or key.startswith(k.rstrip("/") + "/") for k in keys)
+        )
+        self.assertEqual(is_hidden(raw, hidden, tuple(prefixes)), expected)
+
 
 # ---------------------------------------------------------------- strategies
 

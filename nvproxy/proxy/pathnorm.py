@@ -215,13 +215,21 @@ def match_key(raw: bytes) -> str | None:
 def _keys(
     hidden: frozenset[str], prefixes: tuple[str, ...]
 ) -> tuple[frozenset[str], tuple[str, ...]]:
+    """
+    The keys a path is hidden as (the exact paths and the prefixes
+    themselves) and what a path below a prefix starts with: one set lookup
+    and one C{startswith} per request, not a pass over the prefixes.
+    """
+
     def key(path: str) -> str:
         normalized = match_key(path.encode("utf-8"))
         if normalized is None:
             raise ValueError(f"invalid hidden path: {path!r}")
         return normalized
 
-    return frozenset(key(p) for p in hidden), tuple(key(p) for p in prefixes)
+    below = tuple(key(p) for p in prefixes)
+    exact = frozenset(key(p) for p in hidden) | frozenset(below)
+    return exact, tuple(prefix.rstrip("/") + "/" for prefix in below)
 
 
 def is_hidden(
@@ -239,12 +247,8 @@ def is_hidden(
     key = match_key(raw_path)
     if key is None:
         return True
-    exact, prefixes = _keys(hidden, hidden_prefixes)
-    if key in exact:
-        return True
-    return any(
-        key == prefix or key.startswith(prefix.rstrip("/") + "/") for prefix in prefixes
-    )
+    exact, below = _keys(hidden, hidden_prefixes)
+    return key in exact or key.startswith(below)
 
 
 def url_text_problem(segments: Sequence[bytes], host: bytes) -> str | None:
