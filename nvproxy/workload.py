@@ -393,7 +393,7 @@ def _record(info: WorkloadInfo) -> list[Any]:
 
     Compact because the ring keeps a thousand finished workloads: a
     :class:`WorkloadInfo` per event is a 16-key dict each, about 1.9 KB per
-    finished workload where this takes about 0.7 KB, and a running one no
+    finished workload where this takes about 0.8 KB, and a running one no
     longer holds its earlier events' records.
     """
     return list(_constant_of(info.__dict__))
