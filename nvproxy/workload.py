@@ -415,15 +415,16 @@ def _record_json(record: list[Any]) -> dict[str, Any]:
     constant = dict(zip(_CONSTANT, record[:width], strict=True))
     events = []
     for at in range(width, len(record), _STEP):
-        varying = zip(_VARYING, record[at + 1 : at + _STEP], strict=True)
-        events.append((record[at], WorkloadInfo(**constant, **dict(varying))))
-    return {
-        "workloadInfo": events[-1][1].to_json(),
-        "events": [
-            {"method": method, "workloadInfo": info.to_json()}
-            for method, info in events
-        ],
-    }
+        # As _changed builds an event's record: no frozen __init__ per event.
+        info: WorkloadInfo = object.__new__(WorkloadInfo)
+        fields = info.__dict__
+        fields.update(constant)
+        fields.update(zip(_VARYING, record[at + 1 : at + _STEP], strict=True))
+        events.append((record[at], info))
+    listed = [
+        {"method": method, "workloadInfo": info.to_json()} for method, info in events
+    ]
+    return {"workloadInfo": dict(listed[-1]["workloadInfo"]), "events": listed}
 
 
 class RingSink:
