@@ -212,7 +212,10 @@ class WorkloadRecorder:
     ) -> WorkloadTracker:
         """Start tracking one request; emits nothing until :meth:`admitted`."""
         self._ids += 1
-        info = WorkloadInfo(
+        # WorkloadInfo's fields, set as _changed sets them: the frozen
+        # __init__ (sixteen arguments) is most of a request's begin.
+        info: WorkloadInfo = object.__new__(WorkloadInfo)
+        info.__dict__.update(
             id=str(self._ids),
             model=model,
             engine=engine,
@@ -226,12 +229,19 @@ class WorkloadRecorder:
             error=None,
             requesterId=requester_id,
             seq=0,
+            stats=None,
+            truncated=False,
             requestId=request_id,
         )
         return WorkloadTracker(self, info)
 
-    def _emit(self, method: str, info: WorkloadInfo, **changes: Any) -> WorkloadInfo:
-        """Send C{info} with C{changes} and the next C{seq} to every sink."""
+    def _emit(
+        self, method: str, info: WorkloadInfo, changes: dict[str, Any]
+    ) -> WorkloadInfo:
+        """
+        Send C{info} with C{changes} (taken over: it gains C{seq}) and the
+        next C{seq} to every sink.
+        """
         self._seq += 1
         changes["seq"] = self._seq
         info = _changed(info, changes)
@@ -284,9 +294,11 @@ class WorkloadTracker:
         self._committed_status = status
         self._emit(
             STARTED,
-            state="running",
-            scheduledOn=node_id,
-            startedAt=self._recorder.now_ms(),
+            {
+                "state": "running",
+                "scheduledOn": node_id,
+                "startedAt": self._recorder.now_ms(),
+            },
         )
 
     def finished(self, outcome: Outcome, stats: Stats | None = None) -> None:
@@ -307,20 +319,24 @@ class WorkloadTracker:
         if outcome.state == "completed":
             self._emit(
                 COMPLETED,
-                state="completed",
-                completedAt=now,
-                stats=stats,
-                truncated=outcome.reason == TRUNCATED,
+                {
+                    "state": "completed",
+                    "completedAt": now,
+                    "stats": stats,
+                    "truncated": outcome.reason == TRUNCATED,
+                },
             )
         elif outcome.state == "cancelled":
             # §5.5 has two terminal methods; a cancel is its own *state*
             # (§5.4), reported through workload:errored.
             self._emit(
                 ERRORED,
-                state="cancelled",
-                completedAt=now,
-                error=outcome.reason,
-                stats=stats,
+                {
+                    "state": "cancelled",
+                    "completedAt": now,
+                    "error": outcome.reason,
+                    "stats": stats,
+                },
             )
         else:
             if status is not None:
@@ -334,11 +350,13 @@ class WorkloadTracker:
                 )
             self._emit(
                 ERRORED,
-                state="failed",
-                completedAt=now,
-                error=error,
-                stats=stats,
-                truncated=outcome.reason == TRUNCATED,
+                {
+                    "state": "failed",
+                    "completedAt": now,
+                    "error": error,
+                    "stats": stats,
+                    "truncated": outcome.reason == TRUNCATED,
+                },
             )
         self._done = True
 
@@ -346,12 +364,14 @@ class WorkloadTracker:
         # The broker's store rejects a lower state rank (§5.5): once running, a
         # workload never reads queued again.
         if self._committed_status is None:
-            self._emit(SUBMITTED, state="queued", scheduledOn=node_id)
+            self._emit(SUBMITTED, {"state": "queued", "scheduledOn": node_id})
 
-    def _emit(self, method: str, **changes: Any) -> None:
+    def _emit(self, method: str, changes: dict[str, Any]) -> None:
+        # One dict from the hook to the record (_changed): no keyword
+        # arguments packed again at each of the two calls.
         if self._done:
             return
-        self._info = self._recorder._emit(method, self._info, **changes)
+        self._info = self._recorder._emit(method, self._info, changes)
 
 
 _CONSTANT = (

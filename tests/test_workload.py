@@ -551,6 +551,22 @@ class RingSinkTests(SynchronousTestCase):
 
 
 class ChangedTests(SynchronousTestCase):
+    def test_begin_record_complete(self) -> None:
+        """
+        begin sets every field as the frozen __init__ would: the same
+        record, hashable, frozen, and evolve works on it.
+        """
+        import attrs
+
+        recorder = WorkloadRecorder(Clock(), [], "run", "origin")
+        info = recorder.begin("ollama", "m", requester_id="k", request_id="q").info
+        self.assertEqual(sorted(info.__dict__), sorted(attrs.fields_dict(WorkloadInfo)))
+        self.assertEqual(info, WorkloadInfo(**info.__dict__))
+        self.assertEqual(hash(info), hash(WorkloadInfo(**info.__dict__)))
+        self.assertEqual(attrs.evolve(info, seq=3).seq, 3)
+        with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+            info.state = "running"  # type: ignore[misc]
+
     @given(
         st.dictionaries(
             st.sampled_from(
