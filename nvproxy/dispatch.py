@@ -81,7 +81,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
 from nvproxy.automata import indexed
-from nvproxy.logs import Logger
+from nvproxy.logs import Logger, debug_shown
 
 __all__ = [
     "Attempt",
@@ -504,12 +504,14 @@ class _Streaming:
     committed: Committed
 
 
-def _guarded(what: str, call: Callable[[], None]) -> None:
+def _guarded(what: str, call: Callable[..., None], *args: object) -> None:
     """
-    Run a hook; a raising observer or sink must not wedge the machine.
+    Run a hook, C{call(*args)}; a raising observer or sink must not wedge
+    the machine.  The arguments go in as they are, not in a closure: most
+    jobs run four hooks.
     """
     try:
-        call()
+        call(*args)
     except Exception:
         log.failure("dispatch: {what} raised", what=what)
 
@@ -589,8 +591,9 @@ class _JobCore:
 
     # -- hooks (guarded) --------------------------------------------------
 
-    def notify(self, what: str, call: Callable[[], None]) -> None:
-        _guarded(f"observer.{what}", call)
+    def notify(self, what: str, call: Callable[..., None], *args: object) -> None:
+        """Run the observer's hook C{call(*args)}, guarded (C{what} names it)."""
+        _guarded(what, call, *args)
 
     # -- decisions --------------------------------------------------------
 
@@ -654,7 +657,7 @@ class _JobCore:
         )
         if inflight.final:
             return _Reject(_FINAL_FAILURE[failed.kind])
-        self.notify("between_attempts", self.observer.between_attempts)
+        self.notify("observer.between_attempts", self.observer.between_attempts)
         if self.inference:
             self.round = [t for t in self.round if self.still_present(t.node_id)]
         if self.round:
@@ -711,28 +714,26 @@ class _JobCore:
     # -- endings ----------------------------------------------------------
 
     def finish(self, outcome: JobOutcome) -> None:
-        log.debug(
-            "dispatch: job {job} {state}: status {status} node {node}"
-            " after {attempts} attempt(s) ({reason})",
-            job=self.job,
-            state=outcome.state,
-            status=outcome.status,
-            node=outcome.node_id,
-            attempts=outcome.attempts,
-            reason=outcome.reason,
-        )
+        if debug_shown():
+            log.debug(
+                "dispatch: job {job} {state}: status {status} node {node}"
+                " after {attempts} attempt(s) ({reason})",
+                job=self.job,
+                state=outcome.state,
+                status=outcome.status,
+                node=outcome.node_id,
+                attempts=outcome.attempts,
+                reason=outcome.reason,
+            )
         self.on_finish()
-        self.notify("finished", lambda: self.observer.finished(outcome))
+        self.notify("observer.finished", self.observer.finished, outcome)
         # A client cancel errbacks the Deferred with CancelledError itself.
         if not self.client_gone and not self.result.called:
             self.result.callback(outcome)
 
     def reject(self, reason: RejectReason) -> None:
         retry_after = self.policy.retry_after if reason.retry_later else None
-        _guarded(
-            "sink.reject",
-            lambda: self.sink.reject(reason.status, reason, retry_after),
-        )
+        _guarded("sink.reject", self.sink.reject, reason.status, reason, retry_after)
         state: JobState = "cancelled" if reason is RejectReason.SHUTDOWN else "failed"
         self.finish(
             JobOutcome(
@@ -803,14 +804,15 @@ def _start_attempt(
     core.dispatches += 1
     number = core.dispatches
     node_id = target.node_id
-    log.debug(
-        "dispatch: job {job} to {node} attempt {attempt}",
-        job=core.job,
-        node=node_id,
-        attempt=number,
-        final=final,
-    )
-    core.notify("dispatching", lambda: core.observer.dispatching(node_id, number))
+    if debug_shown():
+        log.debug(
+            "dispatch: job {job} to {node} attempt {attempt}",
+            job=core.job,
+            node=node_id,
+            attempt=number,
+            final=final,
+        )
+    core.notify("observer.dispatching", core.observer.dispatching, node_id, number)
     attempt: Attempt
     try:
         attempt = target.start(final)
@@ -871,7 +873,7 @@ def _build_machine() -> Callable[[_JobCore], _JobInputs]:
 
     @idle.upon(_JobInputs.start).to(deciding)
     def _admit(c: _JobInputs, core: _JobCore) -> None:
-        core.notify("admitted", core.observer.admitted)
+        core.notify("observer.admitted", core.observer.admitted)
         _perform(c, core.admit())
 
     deciding.upon(_JobInputs.dispatch_to).to(attempting).returns(None)
@@ -899,16 +901,19 @@ def _build_machine() -> Callable[[_JobCore], _JobInputs]:
         attempt: Attempt,
         committed: Committed,
     ) -> None:
-        log.debug(
-            "dispatch: job {job} committed to {node} with {status}",
-            job=core.job,
-            node=committed.node_id,
-            status=committed.status,
-        )
+        if debug_shown():
+            log.debug(
+                "dispatch: job {job} committed to {node} with {status}",
+                job=core.job,
+                node=committed.node_id,
+                status=committed.status,
+            )
         core.committed = True
         core.notify(
-            "committed",
-            lambda: core.observer.committed(committed.node_id, committed.status),
+            "observer.committed",
+            core.observer.committed,
+            committed.node_id,
+            committed.status,
         )
 
     @attempting.upon(_JobInputs.discovery_changed).loop()
@@ -1131,10 +1136,9 @@ class Dispatcher:
         outcome = JobOutcome("cancelled", reason.status, None, 0, reason.value)
         _guarded("observer.admitted", observer.admitted)
         _guarded(
-            "sink.reject",
-            lambda: sink.reject(reason.status, reason, self._policy.retry_after),
+            "sink.reject", sink.reject, reason.status, reason, self._policy.retry_after
         )
-        _guarded("observer.finished", lambda: observer.finished(outcome))
+        _guarded("observer.finished", observer.finished, outcome)
         return succeed(outcome)
 
     def shutdown(self) -> None:

@@ -249,6 +249,15 @@ def set_level(level: str) -> None:
     _shown = frozenset(level for level in LogLevel.iterconstants() if level >= new)
 
 
+def debug_shown() -> bool:
+    """
+    Whether debug events are shown (L{set_level}).  A hot path asks before
+    a debug call whose fields cost something to compute: L{Logger.debug}
+    drops the event, but the call's arguments are evaluated first.
+    """
+    return _debug_shown
+
+
 def current_level() -> str:
     """The name of the level the log output is filtered at."""
     name: str = _level.logLevelForNamespace("").name

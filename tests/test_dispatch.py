@@ -1114,12 +1114,20 @@ class DefensiveTests(SynchronousTestCase):
             ) -> None:
                 raise RuntimeError("sink")
 
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+
+        logged = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
         h = Harness()
         d = h.dispatcher.dispatch(
             h.discovery.resolve, BrokenSink(), inference=True, observer=Broken()
         )
         self.assertEqual(self.successResultOf(d).status, 502)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 3)
+        self.assertEqual(
+            sorted(e["what"] for e in logged if "what" in e),
+            ["observer.admitted", "observer.finished", "sink.reject"],
+        )
 
     def test_subscribe_notifies_at_once(self) -> None:
         """

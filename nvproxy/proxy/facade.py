@@ -38,7 +38,7 @@ from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
 from nvproxy.dispatch import Dispatcher, JobOutcome, RejectReason, Target
 from nvproxy.engines import RouteKind
 from nvproxy.jsonhttp import write_json
-from nvproxy.logs import Logger, clip
+from nvproxy.logs import Logger, clip, debug_shown
 from nvproxy.proxy.access import KeyGate, KeyPolicy, caller_key
 from nvproxy.proxy.accesslog import access_of
 from nvproxy.proxy.attempt import AttemptSettings, HttpTarget, UpstreamRequest
@@ -378,14 +378,15 @@ class Facade(_Front):
         )
         # (The dispatcher resolves a non-inference request once, §5.1.)
         candidates = _Candidates(self, model, upstream, client, accounting)
-        log.debug(
-            "{engine} {kind} {method} {path} model={model}",
-            engine=self.engine.id,
-            kind=kind.value,
-            method=request.method.decode("latin-1"),
-            path=clip(text),
-            model=model,
-        )
+        if debug_shown():
+            log.debug(
+                "{engine} {kind} {method} {path} model={model}",
+                engine=self.engine.id,
+                kind=kind.value,
+                method=request.method.decode("latin-1"),
+                path=clip(text),
+                model=model,
+            )
         d = self._dispatcher.dispatch(
             candidates.resolve,
             _Sink(client, model),
