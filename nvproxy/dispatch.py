@@ -589,12 +589,6 @@ class _JobCore:
     committed: bool = False
     failures: list[AttemptFailed] = field(factory=list)
 
-    # -- hooks (guarded) --------------------------------------------------
-
-    def notify(self, what: str, call: Callable[..., None], *args: object) -> None:
-        """Run the observer's hook C{call(*args)}, guarded (C{what} names it)."""
-        _guarded(what, call, *args)
-
     # -- decisions --------------------------------------------------------
 
     @property
@@ -657,7 +651,7 @@ class _JobCore:
         )
         if inflight.final:
             return _Reject(_FINAL_FAILURE[failed.kind])
-        self.notify("observer.between_attempts", self.observer.between_attempts)
+        _guarded("observer.between_attempts", self.observer.between_attempts)
         if self.inference:
             self.round = [t for t in self.round if self.still_present(t.node_id)]
         if self.round:
@@ -726,7 +720,7 @@ class _JobCore:
                 reason=outcome.reason,
             )
         self.on_finish()
-        self.notify("observer.finished", self.observer.finished, outcome)
+        _guarded("observer.finished", self.observer.finished, outcome)
         # A client cancel errbacks the Deferred with CancelledError itself.
         if not self.client_gone and not self.result.called:
             self.result.callback(outcome)
@@ -812,7 +806,7 @@ def _start_attempt(
             attempt=number,
             final=final,
         )
-    core.notify("observer.dispatching", core.observer.dispatching, node_id, number)
+    _guarded("observer.dispatching", core.observer.dispatching, node_id, number)
     attempt: Attempt
     try:
         attempt = target.start(final)
@@ -873,7 +867,7 @@ def _build_machine() -> Callable[[_JobCore], _JobInputs]:
 
     @idle.upon(_JobInputs.start).to(deciding)
     def _admit(c: _JobInputs, core: _JobCore) -> None:
-        core.notify("observer.admitted", core.observer.admitted)
+        _guarded("observer.admitted", core.observer.admitted)
         _perform(c, core.admit())
 
     deciding.upon(_JobInputs.dispatch_to).to(attempting).returns(None)
@@ -909,7 +903,7 @@ def _build_machine() -> Callable[[_JobCore], _JobInputs]:
                 status=committed.status,
             )
         core.committed = True
-        core.notify(
+        _guarded(
             "observer.committed",
             core.observer.committed,
             committed.node_id,
