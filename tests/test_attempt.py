@@ -588,6 +588,25 @@ class HonestEndingTests(_AttemptCase):
         self.assertEqual(self.successResultOf(committed.done), StreamEnd.COMPLETE)
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
+    def test_one_timer_moved_through_the_stages(self) -> None:
+        """
+        The header timeout, the first body byte's and the stream's silence
+        are one timer, moved at each stage, not a new one each time; each
+        is due its own time after its stage began.
+        """
+        attempt = self.start(idle=10.0)
+        [timer] = self.clock.getDelayedCalls()
+        self.clock.advance(2)
+        r = response(200, {b"content-type": [b"text/event-stream"]})
+        self.agent.pending[0].callback(r)
+        self.assertEqual(self.clock.getDelayedCalls(), [timer])
+        self.assertEqual(timer.getTime(), 2 + TIMEOUT)
+        self.clock.advance(3)
+        r._bodyDataReceived(b"data: {}\n\n")
+        self.assertIsInstance(self.successResultOf(attempt.result), Committed)
+        self.assertEqual(self.clock.getDelayedCalls(), [timer])
+        self.assertEqual(timer.getTime(), 5 + 10.0)
+
     def test_no_idle_timer_by_default(self) -> None:
         r, committed = self.stream(b"text/event-stream")
         self.assertEqual(self.clock.getDelayedCalls(), [])

@@ -196,7 +196,7 @@ class HttpAttempt:
             request.method, target.url, headers, self._producer
         )
         if response_timeout > 0:
-            self._timer = clock.callLater(response_timeout, self._header_timeout)
+            self._timer = clock.callLater(response_timeout, self._time_up)
         self._pending.addCallbacks(self._headers, self._dial_failed)
 
     def _cancel_pending(self) -> None:
@@ -217,6 +217,30 @@ class HttpAttempt:
             self._timer.cancel()
         self._timer = None
 
+    def _rearm(self, delay: float) -> None:
+        """
+        The attempt's one timer, due C{delay} from now.  It is moved, not
+        replaced, from one stage to the next (headers, first body byte,
+        silence in a stream): a new timer and a cancelled one cost the
+        reactor ten times what moving one does.
+        """
+        timer = self._timer
+        if timer is not None and timer.active():
+            timer.reset(delay)
+        else:
+            self._timer = self._clock.callLater(delay, self._time_up)
+
+    def _time_up(self) -> None:
+        """The timer fired: what it means is the stage the attempt is in."""
+        self._timer = None
+        state = self._state
+        if state is _State.WAITING_HEADERS:
+            self._header_timeout()
+        elif state is _State.GATED:
+            self._first_body_timeout()
+        elif state is _State.COMMITTED:
+            self._idle_check()
+
     def _fail(self, kind: FailureKind, status: int | None = None) -> None:
         self._stop_timer()
         if self._on_failure is not None:
@@ -227,7 +251,6 @@ class HttpAttempt:
     # -- headers ----------------------------------------------------------
 
     def _header_timeout(self) -> None:
-        self._timer = None
         self._timed_out = True
         self._cancel_pending()
 
@@ -245,7 +268,6 @@ class HttpAttempt:
         if self._state is not _State.WAITING_HEADERS:
             _discard(response, self._clock)
             return
-        self._stop_timer()
         status = response.code
         if not self._final and is_retryable_status(status, self._inference):
             self._claim(_State.FAILED)
@@ -255,14 +277,13 @@ class HttpAttempt:
         self._claim(_State.GATED)
         self._response = response
         if self._timeout > 0:
-            self._timer = self._clock.callLater(self._timeout, self._first_body_timeout)
+            self._rearm(self._timeout)  # the first body byte's, from now
         self._gate = _Gate(self)
         response.deliverBody(self._gate)
 
     # -- the commit gate --------------------------------------------------
 
     def _first_body_timeout(self) -> None:
-        self._timer = None
         if self._claim(_State.FAILED):
             assert self._response is not None
             status = self._response.code
@@ -272,7 +293,7 @@ class HttpAttempt:
     def _commit(self) -> bool:
         if not self._claim(_State.COMMITTED):
             return False
-        self._stop_timer()
+        # The timer is left to _first_bytes (the stream's silence) or _end.
         response = self._response
         assert response is not None
         self._client.start(response.code, response.phrase, response.headers)
@@ -289,6 +310,7 @@ class HttpAttempt:
         client = self._client
         if client.gone:
             # Committed to a client that has just left: nothing to relay.
+            self._stop_timer()
             self._stop_upstream()
             return
         write = client.request.write
@@ -317,7 +339,9 @@ class HttpAttempt:
 
             write = timed
             self._last_chunk = seconds()
-            self._timer = self._clock.callLater(self._idle_timeout, self._idle_check)
+            self._rearm(self._idle_timeout)
+        else:
+            self._stop_timer()
         # Register before the first write: a write that fills the client's
         # buffer pauses only a producer registered already.
         client.request.registerProducer(gate.transport, True)
@@ -343,13 +367,10 @@ class HttpAttempt:
             return
 
     def _idle_check(self) -> None:
-        self._timer = None
-        if self._state is not _State.COMMITTED:
-            return
         due = self._last_chunk + self._idle_timeout
         now = self._clock.seconds()
         if now < due:
-            self._timer = self._clock.callLater(due - now, self._idle_check)
+            self._rearm(due - now)
             return
         log.info(
             "upstream {node} sent nothing for {seconds}s: stream cut",
