@@ -205,6 +205,29 @@ class HeaderDeadlineTests(SynchronousTestCase):
         self.assertTrue(conn.closed())
         self.assertTrue(conn.output()[len(served) :].startswith(b"HTTP/1.1 408 "))
 
+    def test_next_request_before_the_last_deadline(self) -> None:
+        """
+        A request that starts before the previous one's deadline would have
+        passed gets its own full deadline from its first byte; the
+        connection's one deadline timer is moved for it, not replaced.
+        """
+        conn = _Connection(self, self.site)
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        deadlines = [
+            call for call in self.clock.getDelayedCalls() if call.getTime() == 2
+        ]
+        self.assertEqual(len(deadlines), 1)
+        self.clock.advance(1)
+        conn.send(b"GET / HTTP/1.1\r\n")
+        served = conn.output()
+        self.assertIn(deadlines[0], self.clock.getDelayedCalls())
+        self.assertEqual(deadlines[0].getTime(), 3)
+        self.clock.advance(1.9)  # past the first deadline, within the second
+        self.assertFalse(conn.closed())
+        self.clock.advance(0.1)
+        self.assertTrue(conn.closed())
+        self.assertTrue(conn.output()[len(served) :].startswith(b"HTTP/1.1 408 "))
+
     def test_idle_keep_alive_connection_closed(self) -> None:
         """
         A connection silent for C{idle_timeout} after a response is closed

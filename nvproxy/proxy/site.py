@@ -197,6 +197,10 @@ class _GuardedChannel(HTTPChannel):
     _head_bytes = 0
     _head_fields = 0
     _deadline: IDelayedCall | None = None
+    _deadline_on = False
+    """Whether L{_deadline} counts: once a request's head is in, the timer is
+    left scheduled, not cancelled, and the next request's first byte moves
+    it (a reset costs the reactor a tenth of a new timer and a cancel)."""
     _refused = False
     _host: IAddress | None = None
     _held: list[bytes] | None = None
@@ -339,7 +343,7 @@ class _GuardedChannel(HTTPChannel):
 
     def allHeadersReceived(self) -> None:
         self._in_head = False
-        self._cancel_deadline()
+        self._deadline_on = False
         HTTPChannel.allHeadersReceived(self)
 
     def _maybeChooseTransferDecoder(self, header: bytes, data: bytes) -> bool:
@@ -375,18 +379,27 @@ class _GuardedChannel(HTTPChannel):
     # -- the header deadline ------------------------------------------------
 
     def _arm_deadline(self) -> None:
-        if self._deadline is None and not self._refused:
+        if self._deadline_on or self._refused:
+            return
+        self._deadline_on = True
+        deadline = self._deadline
+        if deadline is not None and deadline.active():
+            deadline.reset(self.site.limits.header_timeout)
+        else:
             self._deadline = self.site.reactor.callLater(
                 self.site.limits.header_timeout, self._deadline_passed
             )
 
     def _cancel_deadline(self) -> None:
+        self._deadline_on = False
         deadline, self._deadline = self._deadline, None
         if deadline is not None and deadline.active():
             deadline.cancel()
 
     def _deadline_passed(self) -> None:
         self._deadline = None
+        if not self._deadline_on:
+            return  # between requests, or a body: no head is awaited
         self._refuse(
             408,
             "request line and headers not complete within"
