@@ -242,6 +242,52 @@ class HeaderDeadlineTests(SynchronousTestCase):
         self.assertTrue(conn.closed())
         self.assertEqual(conn.output(), served)
 
+    def test_idle_timeout_off_while_a_request_is_handled(self) -> None:
+        """
+        A request handled for longer than C{idle_timeout} keeps its
+        connection; the idle timeout starts again when it is answered, and
+        the connection's one idle timer is moved for it, not replaced.
+        """
+        pending: list[Request] = []
+
+        class Slow(Resource):
+            isLeaf = True
+
+            def render_GET(self, request: Request) -> object:
+                pending.append(request)
+                return NOT_DONE_YET
+
+        site = FacadeSite(
+            Slow(),
+            error_body=ENGINES["ollama"].error_body,
+            max_body=1000,
+            max_connections=10,
+            limits=LIMITS,
+            reactor=self.clock,
+        )
+        conn = _Connection(self, site)
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.clock.advance(12)  # twice the idle timeout, still handled
+        self.assertFalse(conn.closed())
+        pending[0].write(b"late")
+        pending[0].finish()
+        [idle] = [
+            call
+            for call in self.clock.getDelayedCalls()
+            if call.getTime() == 12 + LIMITS.idle_timeout
+        ]
+        self.clock.advance(4.9)
+        self.assertFalse(conn.closed())
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        pending[1].finish()
+        self.assertIn(idle, self.clock.getDelayedCalls())
+        self.assertEqual(idle.getTime(), 16.9 + LIMITS.idle_timeout)
+        self.clock.advance(4.9)
+        self.assertFalse(conn.closed())
+        self.clock.advance(0.1)
+        self.assertTrue(conn.closed())
+        self.assertIn(b"late", conn.output())
+
     def test_admin_site_has_the_deadline(self) -> None:
         """
         The admin listener's site applies the same deadline, with a plain

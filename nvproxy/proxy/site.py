@@ -375,6 +375,40 @@ class _GuardedChannel(HTTPChannel):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._cancel_deadline()
         HTTPChannel.connectionLost(self, reason)
+        idle, self._idle = self._idle, None
+        if idle is not None and idle.active():
+            idle.cancel()
+
+    # -- the idle timeout ---------------------------------------------------
+    #
+    # TimeoutMixin's, with one difference: twisted.web turns the timeout off
+    # while a request is handled (setTimeout(None)) and on again after it,
+    # which cancelled the timer and made a new one for every request.  Here
+    # the timer is left scheduled while it is off, does nothing if it fires
+    # then, and is moved when the timeout comes back on.
+
+    _idle: IDelayedCall | None = None
+
+    def setTimeout(self, period: float | None) -> float | None:
+        previous: float | None = self.timeOut
+        self.timeOut = period  # type: ignore[assignment]  # Site's float
+        if period is not None:
+            idle = self._idle
+            if idle is not None and idle.active():
+                idle.reset(period)
+            else:
+                self._idle = self.site.reactor.callLater(period, self._idle_passed)
+        return previous
+
+    def resetTimeout(self) -> None:
+        idle = self._idle
+        if idle is not None and self.timeOut is not None:
+            idle.reset(self.timeOut)
+
+    def _idle_passed(self) -> None:
+        self._idle = None
+        if self.timeOut is not None:
+            self.timeoutConnection()
 
     # -- the header deadline ------------------------------------------------
 
@@ -446,7 +480,7 @@ class _GuardedChannel(HTTPChannel):
         self._close()
 
     def _close(self) -> None:
-        self.setTimeout(None)  # type: ignore[no-untyped-call]
+        self.setTimeout(None)
         if self.abortTimeout is not None and self._abortingCall is None:
             # A client that does not read cannot hold the connection open.
             self._abortingCall = self.site.reactor.callLater(
