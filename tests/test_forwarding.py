@@ -9,6 +9,8 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
@@ -926,3 +928,33 @@ class MemoryNetworkTests(SynchronousTestCase):
         self.assertEqual(net.seconds(), 5)
         with self.assertRaises(AssertionError):
             net.run(Deferred(), limit=10)
+
+
+class CanonicalNameTests(SynchronousTestCase):
+    """
+    The keys nvproxy reads and writes a L{Headers} table under are the ones
+    Twisted's own methods use for the same names.
+    """
+
+    @given(
+        st.sampled_from(
+            [b"content-type", b"X-REQUEST-ID", b"www-authenticate", b"te", b"dnt"]
+        )
+        | st.binary(min_size=1, max_size=20).filter(
+            lambda name: all(c in _TOKEN for c in name)
+        )
+    )
+    def test_same_key_as_twisted(self, name: bytes) -> None:
+        from twisted.web.http_headers import Headers
+
+        from nvproxy.proxy.headers import canonical
+
+        headers = Headers()
+        headers.setRawHeaders(name, [b"v"])
+        self.assertEqual(headers._rawHeaders, {canonical(name): [b"v"]})
+        self.assertEqual(headers.getRawHeaders(name.upper()), [b"v"])
+
+
+_TOKEN = frozenset(
+    b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)

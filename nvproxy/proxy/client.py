@@ -17,9 +17,13 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from nvproxy.jsonhttp import write_json
-from nvproxy.proxy.requestid import HEADER, request_id
+from nvproxy.proxy.headers import canonical
+from nvproxy.proxy.requestid import HEADER_KEY, request_id
 from nvproxy.proxy.site import when_lost
 from nvproxy.proxy.upstream import end_to_end
+
+# What the facade set and the upstream's answer replaces.
+_REPLACED = tuple(map(canonical, (b"server", b"date", b"content-type")))
 
 
 class ClientSide:
@@ -58,13 +62,14 @@ class ClientSide:
         request = self.request
         request.setResponseCode(status, phrase or None)
         out = request.responseHeaders
-        for name in (b"server", b"date", b"content-type"):
-            out.removeHeader(name)
+        table = out._rawHeaders  # constant names (nvproxy.proxy.headers)
+        for key in _REPLACED:
+            table.pop(key, None)
         end_to_end(headers, into=out)
         rid = request_id(request)
         if rid is not None:
             # Ours, whatever the upstream answered with.
-            out.setRawHeaders(HEADER, [rid.encode("ascii")])
+            table[HEADER_KEY] = [rid.encode("ascii")]
 
     def finish(self) -> None:
         if self.gone or self.request.finished:

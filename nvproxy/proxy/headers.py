@@ -1,18 +1,31 @@
 # -*- test-case-name: tests.test_forwarding -*-
 """
-Copies of Twisted's L{Headers} without re-validating them.
+Twisted's L{Headers} read and written without re-validating them.
 
 C{Headers.copy()} rebuilds the copy through C{setRawHeaders}, which encodes
 every name and scans every value for line breaks again.  Between two
 L{Headers} the names are already canonical and the values clean, so the
 table is taken as it is, each list fresh (the copy's values are its own).
+
+The same holds for the few headers every request reads or sets under a
+constant name with values nvproxy made itself (request ids, dates, the
+content type it hid and puts back): each C{Headers} method call encodes the
+name again, and a set scans the values, about a microsecond each.  Those
+sites use the table (C{_rawHeaders}) under the name's canonical key,
+computed once with L{canonical}.
 """
 
 from __future__ import annotations
 
 from twisted.web.http_headers import Headers
 
-__all__ = ["copy_headers"]
+__all__ = ["canonical", "copy_headers"]
+
+
+def canonical(name: bytes) -> bytes:
+    """The key L{Headers} keeps C{name} under: its canonical capitalization."""
+    [(key, _)] = Headers({name: [b""]}).getAllRawHeaders()
+    return key
 
 
 def copy_headers(headers: Headers) -> Headers:

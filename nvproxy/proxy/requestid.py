@@ -17,9 +17,13 @@ import os
 import re
 from typing import Any
 
-__all__ = ["HEADER", "assign", "request_id", "valid"]
+from nvproxy.proxy.headers import canonical
+
+__all__ = ["HEADER", "HEADER_KEY", "assign", "request_id", "valid"]
 
 HEADER = b"x-request-id"
+HEADER_KEY = canonical(HEADER)
+"""L{HEADER} as L{twisted.web.http_headers.Headers} keeps it."""
 
 _ATTRIBUTE = "_nvproxy_request_id"
 _VALID = re.compile(rb"[\x20-\x7e]{1,128}")
@@ -54,14 +58,16 @@ def assign(request: Any) -> str:
     existing = request_id(request)
     if existing is not None:
         return existing
-    values = request.requestHeaders.getRawHeaders(HEADER) or []
+    # The tables directly (nvproxy.proxy.headers): the id is printable ASCII.
+    given = request.requestHeaders._rawHeaders
+    values = given.get(HEADER_KEY) or []
     if len(values) == 1 and valid(values[0].strip()):
         rid = bytes(values[0]).strip().decode("ascii")
     else:
         rid = new_id()
     raw = rid.encode("ascii")
-    request.requestHeaders.setRawHeaders(HEADER, [raw])
-    request.responseHeaders.setRawHeaders(HEADER, [raw])
+    given[HEADER_KEY] = [raw]
+    request.responseHeaders._rawHeaders[HEADER_KEY] = [raw]
     setattr(request, _ATTRIBUTE, rid)
     return rid
 
