@@ -316,6 +316,18 @@ class KeyedAgentTests(SynchronousTestCase):
         # The caller's headers are not changed in place.
         self.assertEqual(caller.getRawHeaders(b"authorization"), [b"Bearer client"])
 
+    def test_own_headers_keyed_in_place(self) -> None:
+        """Headers made for the one request get the key without a copy."""
+        from nvproxy.proxy.headers import OwnHeaders
+
+        inner = _Recorder()
+        agent = KeyedAgent(inner, {"http://127.0.0.1:8001": "vk"})
+        own = OwnHeaders({b"x": [b"1"]})
+        agent.request(b"GET", b"http://127.0.0.1:8001/v1/models", own)
+        [(_, sent)] = inner.requests
+        self.assertIs(sent, own)
+        self.assertEqual(own.getRawHeaders(b"authorization"), [b"Bearer vk"])
+
     def test_read_backend_key(self) -> None:
         path = self.mktemp()
         for text, ok in (

@@ -807,6 +807,30 @@ class AgentTests(SynchronousTestCase):
         self.assertIn(b"X-A: 1", head)
         self.assertIn(b"Host: 127.0.0.1:9", head)
 
+    def test_own_headers_completed_in_place(self) -> None:
+        """
+        Headers made for the one request (an attempt's) get their Host in
+        place, not in a copy; a Host already in them is kept.
+        """
+        from twisted.internet.testing import MemoryReactorClock, StringTransport
+
+        from nvproxy.proxy import upstream
+        from nvproxy.proxy.headers import OwnHeaders
+
+        memory = MemoryReactorClock()
+        agent = upstream.Upstream(memory, 7.0).agent
+        own = OwnHeaders({b"x-a": [b"1"]})
+        agent.request(b"GET", b"http://127.0.0.1:9/x", own)
+        self.assertEqual(own.getRawHeaders(b"host"), [b"127.0.0.1:9"])
+        named = OwnHeaders({b"host": [b"engine.example"]})
+        agent.request(b"GET", b"http://127.0.0.1:9/x", named)
+        self.assertEqual(named.getRawHeaders(b"host"), [b"engine.example"])
+        transport = StringTransport()
+        memory.tcpClients[0][2].buildProtocol(None).makeConnection(transport)
+        head = transport.value().split(b"\r\n")
+        self.assertIn(b"X-A: 1", head)
+        self.assertIn(b"Host: 127.0.0.1:9", head)
+
 
 class _Recorder(Protocol):
     def __init__(self) -> None:

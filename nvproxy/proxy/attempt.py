@@ -48,6 +48,7 @@ from nvproxy.proxy.client import (
     ClientSide,
     error_frame,
 )
+from nvproxy.proxy.headers import OwnHeaders
 from nvproxy.proxy.upstream import (
     REQUEST_DROP,
     body_producer,
@@ -189,7 +190,7 @@ class HttpAttempt:
         self._response: IResponse | None = None
         self._done: Deferred[StreamEnd] = Deferred()
         self._producer_registered = False
-        headers = end_to_end(request.headers, REQUEST_DROP)
+        headers = end_to_end(request.headers, REQUEST_DROP, into=OwnHeaders())
         self._content: Any = request.content
         self._producer = body_producer(request.content, settings.cooperator)
         self._pending: Deferred[IResponse] | None = settings.agent.request(

@@ -20,7 +20,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IBodyProducer, IResponse
 from zope.interface import implementer
 
-from nvproxy.proxy.headers import copy_headers
+from nvproxy.proxy.headers import OwnHeaders, copy_headers
 
 __all__ = ["BackendKeyError", "KeyedAgent", "read_backend_key"]
 
@@ -90,6 +90,7 @@ class KeyedAgent:
     ) -> Deferred[IResponse]:
         key = self._key_for(uri)
         if key is not None:
-            headers = copy_headers(headers) if headers is not None else Headers()
+            if type(headers) is not OwnHeaders:
+                headers = copy_headers(headers) if headers is not None else Headers()
             headers.setRawHeaders(b"authorization", [b"Bearer " + key])
         return self._agent.request(method, uri, headers, bodyProducer)

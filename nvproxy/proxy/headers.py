@@ -19,7 +19,17 @@ from __future__ import annotations
 
 from twisted.web.http_headers import Headers
 
-__all__ = ["canonical", "copy_headers"]
+__all__ = ["OwnHeaders", "canonical", "copy_headers"]
+
+
+class OwnHeaders(Headers):
+    """
+    Headers made for one outgoing request and used for nothing else: an
+    agent completes them in place (C{Host}, a backend key) instead of
+    copying them first, as it must with headers it was merely lent.
+    """
+
+    __slots__ = ()
 
 
 def canonical(name: bytes) -> bytes:

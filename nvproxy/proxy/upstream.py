@@ -55,7 +55,7 @@ from nvproxy.memo import keep_short
 from nvproxy.proxy.backendauth import KeyedAgent
 from nvproxy.proxy.chunked import coalesce_chunks
 from nvproxy.proxy.cork import CORK, Turn, hold, release
-from nvproxy.proxy.headers import copy_headers
+from nvproxy.proxy.headers import OwnHeaders, canonical, copy_headers
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
 HOP_BY_HOP = frozenset(
@@ -75,6 +75,7 @@ HOP_BY_HOP = frozenset(
 
 
 _LISTED: dict[frozenset[bytes], frozenset[bytes]] = {}
+_CONNECTION, _HOST = map(canonical, (b"connection", b"host"))
 """C{HOP_BY_HOP | drop} for each C{drop} in use (a handful, all constants)."""
 
 
@@ -91,7 +92,7 @@ def end_to_end(
     listed: frozenset[bytes] | set[bytes] | None = _LISTED.get(drop)
     if listed is None:
         listed = _LISTED[drop] = HOP_BY_HOP | drop
-    connection = headers.getRawHeaders(b"connection")
+    connection = headers._rawHeaders.get(_CONNECTION)
     if connection:
         listed = set(listed)
         for value in connection:
@@ -506,8 +507,11 @@ class _Agent(Agent):
         endpoint = self._getEndpoint(parsed)  # type: ignore[no-untyped-call]
         # As Agent does: the caller's headers are never changed (one set may
         # go to several URLs), a copy gets the Host.
+        # Headers made for this request alone (an attempt's) get it in place.
         if headers is None:
             headers = Headers({b"host": [host]})
+        elif type(headers) is OwnHeaders:
+            headers._rawHeaders.setdefault(_HOST, [host])  # a valid URI's
         elif not headers.hasHeader(b"host"):
             headers = copy_headers(headers)
             headers.setRawHeaders(b"host", [host])
