@@ -16,9 +16,13 @@ from attrs import define, field
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import Factory, Protocol
-from twisted.trial.unittest import TestCase
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 
 from nvproxy.dispatch import AttemptFailed, Committed, FailureKind, StreamEnd
@@ -284,3 +288,85 @@ class ReuseTests(TestCase):
             await first.result, AttemptFailed("n", FailureKind.TRANSPORT, None)
         )
         self.assertEqual(engine.receipts, [(1, b"first")])
+
+
+class PoolExpiryTests(SynchronousTestCase):
+    """
+    A pooled connection closes after C{cachedConnectionTimeout} idle in the
+    pool; its one timer is moved each time it comes back, and does nothing
+    while the connection is out serving a request.
+    """
+
+    def setUp(self) -> None:
+        self.memory = MemoryReactorClock()
+        self.upstream = Upstream(self.memory, 7.0)
+        self.pool = self.upstream.pool
+        self.transports: list[StringTransport] = []
+        self.protocols: list[Any] = []
+
+    def send(self) -> Deferred[Any]:
+        answer = self.upstream.agent.request(b"GET", b"http://127.0.0.1:9/x")
+        if len(self.memory.tcpClients) > len(self.protocols):
+            protocol = self.memory.tcpClients[-1][2].buildProtocol(None)
+            transport = StringTransport()
+            protocol.makeConnection(transport)
+            self.protocols.append(protocol)
+            self.transports.append(transport)
+        return answer
+
+    def answer(self, answer: Deferred[Any]) -> None:
+        self.protocols[-1].dataReceived(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        )
+        self.assertEqual(
+            self.successResultOf(readBody(self.successResultOf(answer))), b"ok"
+        )
+
+    def expiries(self) -> list[Any]:
+        return list(self.pool._timeouts.values())
+
+    def test_one_timer_moved(self) -> None:
+        self.answer(self.send())
+        [expiry] = self.expiries()
+        self.assertEqual(expiry.getTime(), 120)
+        self.memory.advance(30)
+        self.answer(self.send())
+        self.assertEqual(len(self.memory.tcpClients), 1)
+        self.assertEqual(self.expiries(), [expiry])
+        self.assertEqual(expiry.getTime(), 150)
+        self.memory.advance(119)
+        self.assertFalse(self.transports[0].disconnecting)
+        self.memory.advance(1)
+        self.assertTrue(self.transports[0].disconnecting)
+        self.assertEqual(self.pool._connections.get(("http", b"127.0.0.1", 9), []), [])
+
+    def test_out_in_use_when_due(self) -> None:
+        """
+        Due while the connection serves a request: it stays open, and is
+        idle C{cachedConnectionTimeout} from its return before it closes.
+        """
+        self.answer(self.send())
+        pending = self.send()
+        self.memory.advance(200)
+        self.assertFalse(self.transports[0].disconnecting)
+        self.answer(pending)
+        [expiry] = self.expiries()
+        self.assertEqual(expiry.getTime(), 320)
+        self.memory.advance(120)
+        self.assertTrue(self.transports[0].disconnecting)
+
+    def test_lost_while_out_leaves_no_timer(self) -> None:
+        self.answer(self.send())
+        pending = self.send()
+        self.assertEqual(self.expiries(), [])
+        self.assertEqual(len(self.memory.getDelayedCalls()), 1)
+        self.protocols[0].connectionLost(Failure(ConnectionDone()))
+        self.failureResultOf(pending)
+        self.assertEqual(self.memory.getDelayedCalls(), [])
+
+    def test_close_cached_leaves_no_timer(self) -> None:
+        self.answer(self.send())
+        self.answer(self.send())
+        self.upstream.close()
+        self.protocols[0].connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.memory.getDelayedCalls(), [])
