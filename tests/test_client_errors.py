@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from treq.testing import StubTreq
 from twisted.internet.testing import EventLoggingObserver
@@ -34,6 +36,27 @@ class URLTextProblemTests(SynchronousTestCase):
     def test_host(self) -> None:
         self.assertEqual(
             url_text_problem([b""], b"\xff\xfe"), "the Host header is not valid UTF-8"
+        )
+
+    @given(
+        st.binary(max_size=12).filter(lambda v: b"\n" not in v and b"\r" not in v),
+        st.none() | st.integers(min_value=0, max_value=65535),
+    )
+    def test_whole_host_value_judged_as_its_name(
+        self, name: bytes, port: int | None
+    ) -> None:
+        """
+        Judging the whole C{Host} value decides as judging the host name
+        twisted.web's C{getRequestHostname} takes out of it would.
+        """
+        from twisted.web.http import _hostHeaderExpression
+
+        value = name if port is None else b"%s:%d" % (name, port)
+        match = _hostHeaderExpression.match(value)
+        assert match is not None
+        self.assertEqual(
+            url_text_problem([b""], value),
+            url_text_problem([b""], match.group("host")),
         )
 
 

@@ -51,6 +51,7 @@ from nvproxy.proxy.bodies import (
 )
 from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.cors import is_preflight, origin_inventory, preflight
+from nvproxy.proxy.headers import canonical
 from nvproxy.proxy.pathnorm import is_hidden, match_key, normalize_path
 from nvproxy.proxy.requestid import assign as assign_request_id
 from nvproxy.proxy.requestid import request_id
@@ -58,6 +59,8 @@ from nvproxy.proxy.site import when_lost
 from nvproxy.proxy.urlgate import TextURLGate
 
 log = Logger()
+
+_CONTENT_TYPE = canonical(b"content-type")
 
 INVENTORY_TIMEOUT = 10.0
 """Seconds a node may take to answer an inventory fan-out, body included."""
@@ -265,7 +268,8 @@ class _Front:
         """
         model: str | None = None
         if kind is RouteKind.INFERENCE:
-            media, params = media_type(request.getHeader(b"content-type"))
+            types = request.requestHeaders._rawHeaders.get(_CONTENT_TYPE)
+            media, params = media_type(types[-1] if types else None)
             try:
                 if media == "multipart/form-data":
                     named = model_from_multipart(

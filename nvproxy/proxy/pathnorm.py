@@ -258,7 +258,8 @@ def url_text_problem(segments: Sequence[bytes], host: bytes) -> str | None:
     @param segments: the request's path segments as twisted.web hands them
         to a resource (C{request.postpath}: split on ``/``, each
         percent-decoded once).
-    @param host: the requested host name (C{request.getRequestHostname()}).
+    @param host: the request's C{Host} value (or the host name in it: a
+        port is digits, which decode either way), empty without one.
     """
     try:
         b"/".join(segments).decode("utf-8")
