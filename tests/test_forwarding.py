@@ -954,6 +954,67 @@ class MemoryNetworkTests(SynchronousTestCase):
             net.run(Deferred(), limit=10)
 
 
+class InMemoryBodyRequestTests(SynchronousTestCase):
+    """
+    A request with its body in memory goes out as Twisted's own request
+    writes it, without a producer registered with the transport.
+    """
+
+    @given(st.binary(max_size=300), st.sampled_from([b"POST", b"PUT"]))
+    def test_same_bytes_as_twisted(self, body: bytes, method: bytes) -> None:
+        from twisted.internet.testing import StringTransport
+        from twisted.web._newclient import Request
+        from twisted.web.client import URI
+        from twisted.web.http_headers import Headers
+
+        from nvproxy.proxy import upstream
+
+        url = b"http://127.0.0.1:9/api/chat"
+        headers = Headers({b"host": [b"127.0.0.1:9"], b"x-a": [b"1"]})
+        sent = []
+        for kind in (Request, upstream._Request):
+            request = kind._construct(
+                method,
+                b"/api/chat",
+                headers,
+                upstream.BytesProducer(body),
+                persistent=True,
+                parsedURI=URI.fromBytes(url),
+            )
+            transport = StringTransport()
+            self.successResultOf(request.writeTo(transport))
+            self.assertIsNone(transport.producer)
+            sent.append(transport.value())
+        self.assertEqual(sent[0], sent[1])
+        self.assertTrue(sent[1].endswith(b"\r\n\r\n" + body))
+
+    def test_other_producers_as_twisted_does(self) -> None:
+        import io
+
+        from twisted.internet.task import Cooperator
+        from twisted.internet.testing import StringTransport
+        from twisted.web.client import URI
+        from twisted.web.http_headers import Headers
+
+        from nvproxy.proxy import upstream
+
+        body = b"x" * (upstream.IN_MEMORY_LIMIT + 1)
+        producer = upstream.RangeBodyProducer(
+            io.BytesIO(body), len(body), Cooperator(scheduler=lambda f: f())
+        )
+        request = upstream._Request._construct(
+            b"POST",
+            b"/x",
+            Headers({b"host": [b"h"]}),
+            producer,
+            persistent=True,
+            parsedURI=URI.fromBytes(b"http://h/x"),
+        )
+        transport = StringTransport()
+        self.successResultOf(request.writeTo(transport))
+        self.assertTrue(transport.value().endswith(b"\r\n\r\n" + body))
+
+
 class CanonicalNameTests(SynchronousTestCase):
     """
     The keys nvproxy reads and writes a L{Headers} table under are the ones

@@ -36,9 +36,11 @@ from twisted.internet.task import Cooperator, TaskDone, TaskStopped
 from twisted.python.failure import Failure
 from twisted.web._newclient import (
     HTTP11ClientProtocol,
+    Request,
     RequestNotSent,
     RequestTransmissionFailed,
     ResponseNeverReceived,
+    _ensureValidMethod,
     _ensureValidURI,
 )
 from twisted.web.client import (
@@ -123,16 +125,16 @@ class BytesProducer:
     """
 
     def __init__(self, body: bytes) -> None:
-        self._body = body
+        self.body = body
         self.length = len(body)
 
     def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        consumer.write(self._body)
+        consumer.write(self.body)
         return succeed(None)
 
     def release(self) -> None:
         """Let the body go: nothing will send it again (L{release_body})."""
-        self._body = b""
+        self.body = b""
 
     def pauseProducing(self) -> None:
         pass
@@ -560,16 +562,48 @@ class _Agent(Agent):
         elif not headers.hasHeader(b"host"):
             headers = copy_headers(headers)
             headers.setRawHeaders(b"host", [host])
-        answer: Deferred[IResponse] = self._requestWithEndpoint(
-            (parsed.scheme, parsed.host, parsed.port),
-            endpoint,
-            method,
-            parsed,
+        # Agent._requestWithEndpoint, without its second Host check and its
+        # closure, and with a request that writes an in-memory body itself.
+        if not isinstance(method, bytes):
+            raise TypeError(f"method={method!r} is {type(method)}, but must be bytes")
+        request = _Request._construct(  # type: ignore[no-untyped-call]
+            _ensureValidMethod(method),
+            origin,
             headers,
             bodyProducer,
-            origin,
+            persistent=self._pool.persistent,
+            parsedURI=parsed,
         )
+        connected = self._pool.getConnection(
+            (parsed.scheme, parsed.host, parsed.port), endpoint
+        )
+        answer: Deferred[IResponse] = connected.addCallback(_send, request)
         return answer
+
+
+def _send(connection: Any, request: Any) -> Deferred[IResponse]:
+    sent: Deferred[IResponse] = connection.request(request)
+    return sent
+
+
+class _Request(Request):
+    """
+    Twisted's client request, writing a body already in memory
+    (L{BytesProducer}) with its head, as it writes an empty one.  Through
+    C{IBodyProducer} the same bytes took two Deferreds of Twisted's and the
+    producer's own, a length-checking consumer, six closures and a producer
+    registered with the transport and unregistered again: about a tenth of
+    the calls a proxied request makes.
+    """
+
+    def writeTo(self, transport: Any) -> Deferred[None]:
+        producer = self.bodyProducer
+        if type(producer) is not BytesProducer:
+            written: Deferred[None] = super().writeTo(transport)  # type: ignore[no-untyped-call]
+            return written
+        self._writeHeaders(transport, b"Content-Length: %d\r\n" % producer.length)  # type: ignore[no-untyped-call]
+        transport.write(producer.body)
+        return succeed(None)
 
 
 class Upstream:
