@@ -458,11 +458,22 @@ class ProxyPool(HTTPConnectionPool):
         return closed
 
     def getConnection(self, key: Any, endpoint: IStreamClientEndpoint) -> Deferred[Any]:
-        # HTTPConnectionPool.getConnection, plus the closing check; it keeps
-        # the pool's own bookkeeping (_connections, _timeouts).  The expiry
-        # timer of a connection handed out is not cancelled: it is moved
-        # when the connection comes back (_putConnection), and does nothing
-        # if it fires meanwhile.
+        # HTTPConnectionPool.getConnection, plus the closing check.
+        cached = self.cached(key, endpoint)
+        if cached is not None:
+            return succeed(cached)
+        fresh: Deferred[Any] = self._newConnection(key, endpoint)
+        return fresh
+
+    def cached(self, key: Any, endpoint: IStreamClientEndpoint) -> Any | None:
+        """
+        A pooled connection for C{key} ready for a request, now (L{_Agent}
+        sends on it without a Deferred in between), or C{None}.  It keeps
+        the pool's own bookkeeping (C{_connections}, C{_timeouts}).  The
+        expiry timer of a connection handed out is not cancelled: it is
+        moved when the connection comes back (L{_putConnection}), and does
+        nothing if it fires meanwhile.
+        """
         connections = self._connections.get(key)
         while connections:
             connection = connections.pop(0)
@@ -480,12 +491,9 @@ class ProxyPool(HTTPConnectionPool):
                 expiry.getTime() - self.cachedConnectionTimeout
             )
             if idle < self.stale_idle:
-                return succeed(connection)
-            return succeed(
-                _Reused(connection, lambda: self._newConnection(key, endpoint))
-            )
-        fresh: Deferred[Any] = self._newConnection(key, endpoint)
-        return fresh
+                return connection
+            return _Reused(connection, lambda: self._newConnection(key, endpoint))
+        return None
 
     def _putConnection(self, key: Any, connection: Any) -> None:
         # HTTPConnectionPool._putConnection, with the connection's own
@@ -563,7 +571,8 @@ class _Agent(Agent):
             headers = copy_headers(headers)
             headers.setRawHeaders(b"host", [host])
         # Agent._requestWithEndpoint, without its second Host check and its
-        # closure, and with a request that writes an in-memory body itself.
+        # closure, with a request that writes an in-memory body itself, and
+        # sent at once on a pooled connection (no Deferred in between).
         if not isinstance(method, bytes):
             raise TypeError(f"method={method!r} is {type(method)}, but must be bytes")
         request = _Request._construct(  # type: ignore[no-untyped-call]
@@ -574,9 +583,13 @@ class _Agent(Agent):
             persistent=self._pool.persistent,
             parsedURI=parsed,
         )
-        connected = self._pool.getConnection(
-            (parsed.scheme, parsed.host, parsed.port), endpoint
-        )
+        key = (parsed.scheme, parsed.host, parsed.port)
+        pool = self._pool
+        if isinstance(pool, ProxyPool):
+            cached = pool.cached(key, endpoint)
+            if cached is not None:
+                return _send(cached, request)
+        connected = pool.getConnection(key, endpoint)
         answer: Deferred[IResponse] = connected.addCallback(_send, request)
         return answer
 
