@@ -78,8 +78,9 @@ HOP_BY_HOP = frozenset(
 
 
 _LISTED: dict[frozenset[bytes], frozenset[bytes]] = {}
-_CONNECTION, _HOST = map(canonical, (b"connection", b"host"))
 """C{HOP_BY_HOP | drop} for each C{drop} in use (a handful, all constants)."""
+
+_CONNECTION, _HOST = map(canonical, (b"connection", b"host"))
 
 
 def end_to_end(
@@ -547,7 +548,9 @@ class _Agent(Agent):
     """
     Twisted's L{Agent}, with each URL parsed once (L{_parsed}): parsing it,
     rebuilding its path and its C{Host} value was 5 % of a request's
-    instructions.
+    instructions.  Its requests write an in-memory body themselves
+    (L{_Request}) and go out at once on a pooled connection
+    (L{ProxyPool.cached}).
     """
 
     def request(
