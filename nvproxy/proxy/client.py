@@ -17,13 +17,13 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from nvproxy.jsonhttp import write_json
-from nvproxy.proxy.headers import canonical
+from nvproxy.proxy.headers import CONTENT_TYPE, DATE, SERVER
 from nvproxy.proxy.requestid import HEADER_KEY, request_id
 from nvproxy.proxy.site import when_lost
 from nvproxy.proxy.upstream import end_to_end
 
 # What the facade set and the upstream's answer replaces.
-_REPLACED = tuple(map(canonical, (b"server", b"date", b"content-type")))
+_REPLACED = (SERVER, DATE, CONTENT_TYPE)
 
 
 class ClientSide:

@@ -51,7 +51,7 @@ from nvproxy.proxy.bodies import (
 )
 from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.cors import is_preflight, origin_inventory, preflight
-from nvproxy.proxy.headers import canonical
+from nvproxy.proxy.headers import CONTENT_TYPE
 from nvproxy.proxy.pathnorm import is_hidden, match_key, normalize_path
 from nvproxy.proxy.requestid import assign as assign_request_id
 from nvproxy.proxy.requestid import request_id
@@ -59,8 +59,6 @@ from nvproxy.proxy.site import when_lost
 from nvproxy.proxy.urlgate import TextURLGate
 
 log = Logger()
-
-_CONTENT_TYPE = canonical(b"content-type")
 
 INVENTORY_TIMEOUT = 10.0
 """Seconds a node may take to answer an inventory fan-out, body included."""
@@ -268,7 +266,7 @@ class _Front:
         """
         model: str | None = None
         if kind is RouteKind.INFERENCE:
-            types = request.requestHeaders._rawHeaders.get(_CONTENT_TYPE)
+            types = request.requestHeaders._rawHeaders.get(CONTENT_TYPE)
             media, params = media_type(types[-1] if types else None)
             try:
                 if media == "multipart/form-data":

@@ -19,7 +19,16 @@ from __future__ import annotations
 
 from twisted.web.http_headers import Headers
 
-__all__ = ["OwnHeaders", "canonical", "copy_headers"]
+__all__ = [
+    "CONNECTION",
+    "CONTENT_TYPE",
+    "DATE",
+    "HOST",
+    "SERVER",
+    "OwnHeaders",
+    "canonical",
+    "copy_headers",
+]
 
 
 class OwnHeaders(Headers):
@@ -36,6 +45,12 @@ def canonical(name: bytes) -> bytes:
     """The key L{Headers} keeps C{name} under: its canonical capitalization."""
     [(key, _)] = Headers({name: [b""]}).getAllRawHeaders()
     return key
+
+
+# The names the data path reads or sets on every request, as keys.
+CONNECTION, CONTENT_TYPE, DATE, HOST, SERVER = map(
+    canonical, (b"connection", b"content-type", b"date", b"host", b"server")
+)
 
 
 def copy_headers(headers: Headers) -> Headers:

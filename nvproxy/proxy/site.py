@@ -58,7 +58,7 @@ from nvproxy.jsonhttp import json_bytes
 from nvproxy.logs import Logger, batched
 from nvproxy.proxy.accesslog import AccessLine, emit
 from nvproxy.proxy.cork import CORK, send_now
-from nvproxy.proxy.headers import canonical
+from nvproxy.proxy.headers import CONTENT_TYPE, DATE, SERVER
 
 log = Logger()
 
@@ -66,9 +66,6 @@ log = Logger()
 MAX_CHUNK_SIZE_DIGITS = 16
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
-
-# Header names every request reads or sets, as Headers keys them.
-_CONTENT_TYPE, _SERVER, _DATE = map(canonical, (b"content-type", b"server", b"date"))
 
 _bare_cr_lf = re.compile(rb"[\r\n]").search
 """Whether a line holds a CR or LF.  Not C{b"\\r" in line}: a C{bytes}
@@ -583,7 +580,7 @@ class FacadeRequest(Request):
             return
         # Hide the content type from twisted.web's form parser for the length
         # of the call; process() (called at its end) restores it.
-        self._hidden_type = self.requestHeaders._rawHeaders.pop(_CONTENT_TYPE, None)
+        self._hidden_type = self.requestHeaders._rawHeaders.pop(CONTENT_TYPE, None)
         site = _site(self)
         if site.access_log:
             # The channel is gone by the end: keep its site.
@@ -661,14 +658,14 @@ class FacadeRequest(Request):
     def process(self) -> None:
         hidden = getattr(self, "_hidden_type", None)
         if hidden:
-            self.requestHeaders._rawHeaders[_CONTENT_TYPE] = hidden
+            self.requestHeaders._rawHeaders[CONTENT_TYPE] = hidden
         # Twisted's Request.process, but the Date header comes from the
         # site's clock and is formatted once a second, not from the wall
         # clock on every request (time.gmtime and string formatting).
         site = self.site = self.channel.site  # type: ignore[attr-defined]
         out = self.responseHeaders._rawHeaders  # (nvproxy.proxy.headers)
-        out[_SERVER] = [server_version]
-        out[_DATE] = [_http_date(int(site.reactor.seconds()))]
+        out[SERVER] = [server_version]
+        out[DATE] = [_http_date(int(site.reactor.seconds()))]
         self.prepath = []
         self.postpath = list(map(unquote, self.path[1:].split(b"/")))
         if self.path == b"*":

@@ -58,7 +58,7 @@ from nvproxy.memo import keep_short
 from nvproxy.proxy.backendauth import KeyedAgent
 from nvproxy.proxy.chunked import coalesce_chunks
 from nvproxy.proxy.cork import CORK, Turn, hold, release
-from nvproxy.proxy.headers import OwnHeaders, canonical, copy_headers
+from nvproxy.proxy.headers import CONNECTION, HOST, OwnHeaders, copy_headers
 
 # RFC 9110 §7.6.1 plus the legacy names proxies traditionally drop.
 HOP_BY_HOP = frozenset(
@@ -80,8 +80,6 @@ HOP_BY_HOP = frozenset(
 _LISTED: dict[frozenset[bytes], frozenset[bytes]] = {}
 """C{HOP_BY_HOP | drop} for each C{drop} in use (a handful, all constants)."""
 
-_CONNECTION, _HOST = map(canonical, (b"connection", b"host"))
-
 
 def end_to_end(
     headers: Headers,
@@ -96,7 +94,7 @@ def end_to_end(
     listed: frozenset[bytes] | set[bytes] | None = _LISTED.get(drop)
     if listed is None:
         listed = _LISTED[drop] = HOP_BY_HOP | drop
-    connection = headers._rawHeaders.get(_CONNECTION)
+    connection = headers._rawHeaders.get(CONNECTION)
     if connection:
         listed = set(listed)
         for value in connection:
@@ -569,7 +567,7 @@ class _Agent(Agent):
         if headers is None:
             headers = Headers({b"host": [host]})
         elif type(headers) is OwnHeaders:
-            headers._rawHeaders.setdefault(_HOST, [host])  # a valid URI's
+            headers._rawHeaders.setdefault(HOST, [host])  # a valid URI's
         elif not headers.hasHeader(b"host"):
             headers = copy_headers(headers)
             headers.setRawHeaders(b"host", [host])

@@ -13,10 +13,8 @@ from typing import Any
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET
 
-from nvproxy.proxy.headers import canonical
+from nvproxy.proxy.headers import HOST
 from nvproxy.proxy.pathnorm import url_text_problem
-
-_HOST = canonical(b"host")
 
 
 class TextURLGate(Resource):
@@ -37,7 +35,7 @@ class TextURLGate(Resource):
         # The Host header as it is: its port is digits, so it decodes as
         # the host name in it does (without getRequestHostname's regex and
         # name lookups); without one the host is the connection's address.
-        host = request.requestHeaders._rawHeaders.get(_HOST)
+        host = request.requestHeaders._rawHeaders.get(HOST)
         problem = url_text_problem(request.postpath, host[-1] if host else b"")
         if problem is None:
             return self._inner.render(request)
