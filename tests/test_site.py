@@ -61,9 +61,11 @@ class _Echo(Resource):
         return b"got " + request.content.read()
 
 
-def _facade_site(clock: Clock, engine: str = "ollama") -> FacadeSite:
+def _facade_site(
+    clock: Clock, engine: str = "ollama", resource: Resource | None = None
+) -> FacadeSite:
     return FacadeSite(
-        _Echo(),
+        _Echo() if resource is None else resource,
         error_body=ENGINES[engine].error_body,
         max_body=1000,
         max_connections=10,
@@ -257,15 +259,7 @@ class HeaderDeadlineTests(SynchronousTestCase):
                 pending.append(request)
                 return NOT_DONE_YET
 
-        site = FacadeSite(
-            Slow(),
-            error_body=ENGINES["ollama"].error_body,
-            max_body=1000,
-            max_connections=10,
-            limits=LIMITS,
-            reactor=self.clock,
-        )
-        conn = _Connection(self, site)
+        conn = _Connection(self, _facade_site(self.clock, resource=Slow()))
         conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         self.clock.advance(12)  # twice the idle timeout, still handled
         self.assertFalse(conn.closed())
@@ -1385,14 +1379,7 @@ class ChunkedWriteTests(SynchronousTestCase):
     """
 
     def answer(self, request_class: Any, head: bytes) -> tuple[bytes, int]:
-        site = FacadeSite(
-            _Pieces(),
-            error_body=ENGINES["ollama"].error_body,
-            max_body=1000,
-            max_connections=10,
-            limits=LIMITS,
-            reactor=Clock(),
-        )
+        site = _facade_site(Clock(), resource=_Pieces())
         site.requestFactory = request_class
         sent: list[int] = []
         original = request_class.finish
@@ -1526,13 +1513,6 @@ class DefaultHeadersTests(SynchronousTestCase):
                 seen.append(request.postpath)
                 return b"ok"
 
-        site = FacadeSite(
-            Record(),
-            error_body=ENGINES["ollama"].error_body,
-            max_body=1000,
-            max_connections=10,
-            limits=LIMITS,
-            reactor=Clock(),
-        )
+        site = _facade_site(Clock(), resource=Record())
         self._headers(site, b"/a%20b/c")
         self.assertEqual(seen, [[b"a b", b"c"]])
