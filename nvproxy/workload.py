@@ -436,17 +436,14 @@ def _record_json(record: list[Any]) -> dict[str, Any]:
     """The entry of ``GET /admin/workloads``: the last event's record and all."""
     width = len(_CONSTANT)
     constant = dict(zip(_CONSTANT, record[:width], strict=True))
-    events = []
+    listed = []
     for at in range(width, len(record), _STEP):
         # As _changed builds an event's record: no frozen __init__ per event.
         info: WorkloadInfo = object.__new__(WorkloadInfo)
         fields = info.__dict__
         fields.update(constant)
         fields.update(zip(_VARYING, record[at + 1 : at + _STEP], strict=True))
-        events.append((record[at], info))
-    listed = [
-        {"method": method, "workloadInfo": info.to_json()} for method, info in events
-    ]
+        listed.append({"method": record[at], "workloadInfo": info.to_json()})
     return {"workloadInfo": dict(listed[-1]["workloadInfo"]), "events": listed}
 
 
