@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 from twisted.internet import reactor
@@ -30,6 +31,7 @@ from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.cork import CORK, Turn, hold, release, send_now
 from nvproxy.proxy.listener import DemuxFactory
 from nvproxy.proxy.site import (
+    _CHANNEL_ATTRIBUTES,
     ClientLimits,
     FacadeRequest,
     FacadeSite,
@@ -1516,3 +1518,95 @@ class DefaultHeadersTests(SynchronousTestCase):
         site = _facade_site(Clock(), resource=Record())
         self._headers(site, b"/a%20b/c")
         self.assertEqual(seen, [[b"a b", b"c"]])
+
+
+class _Produced(Resource):
+    """Answers through a streaming producer, as the relay of a stream does."""
+
+    isLeaf = True
+
+    def render(self, request: Request) -> Any:
+        producer = _NoProducer()
+        request.registerProducer(producer, True)
+        request.write(b"first ")
+        request.channel.pauseProducing()  # type: ignore[union-attr]
+        request.channel.resumeProducing()  # type: ignore[union-attr]
+        request.write(b"second")
+        request.unregisterProducer()
+        request.finish()
+        return NOT_DONE_YET
+
+
+class _NoProducer:
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+class ChannelAttributesTests(SynchronousTestCase):
+    """
+    A facade channel sets no attribute outside L{_CHANNEL_ATTRIBUTES} on
+    its common paths, and gets from the class what C{Site.buildProtocol}
+    would set on it.
+    """
+
+    def test_names_within_the_shared_table(self) -> None:
+        clock = Clock()
+        root = Resource()
+        root.putChild(b"echo", _Echo())
+        root.putChild(b"stream", _Produced())
+        site = _facade_site(clock, resource=root)
+        # More channels than names: every new instance takes one name's room
+        # in the class's table, so a name first set now would not fit.
+        for _ in range(len(_CHANNEL_ATTRIBUTES) + 10):
+            site.buildProtocol(None)
+        conn = _Connection(self, site)
+        conn.send(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\n")
+        conn.send(b"Transfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n")
+        conn.send(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        CORK.during(conn.send, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        clock.advance(LIMITS.idle_timeout / 2)
+        conn.send(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        answers = conn.output().count(b"HTTP/1.1 200 ")
+        self.assertEqual(answers, 6)
+        self.assertIn(b"first second", conn.output().replace(b"\r\n6\r\n", b""))
+        names = set(vars(conn.channel))
+        self.assertEqual(names - set(_CHANNEL_ATTRIBUTES), set())
+        self.assertLessEqual(len(_CHANNEL_ATTRIBUTES), 29)
+        self.assertEqual(len(set(_CHANNEL_ATTRIBUTES)), len(_CHANNEL_ATTRIBUTES))
+        if sys.implementation.name == "cpython":
+            # A dict of its own is over 1.2 KB; the shared table's values,
+            # seen through vars(), a quarter of that.
+            self.assertLess(sys.getsizeof(vars(conn.channel)), 800)
+
+    def test_what_site_build_protocol_sets(self) -> None:
+        clock = Clock()
+        site = _facade_site(clock)
+        channel: Any = site.buildProtocol(None)
+        twisted_channel: Any = Site.buildProtocol(site, None)
+        for name in ("factory", "site", "requestFactory", "timeOut"):
+            self.assertIs(getattr(channel, name), getattr(twisted_channel, name))
+        self.assertEqual(channel.callLater, twisted_channel.callLater)
+        self.assertEqual(channel.MAX_LENGTH, 201)
+        self.assertEqual(channel.totalHeadersSize, 301)
+        self.assertEqual(channel.maxHeaders, 6)
+        self.assertIsInstance(channel, site.protocol)
+        site.requestFactory = Request
+        self.assertIs(channel.requestFactory, Request)
+
+    def test_new_limits_for_new_connections(self) -> None:
+        site = _facade_site(Clock())
+        before: Any = site.buildProtocol(None)
+        site.limits = ClientLimits(max_request_line=1000, max_header_bytes=50)
+        after: Any = site.buildProtocol(None)
+        self.assertEqual(after.MAX_LENGTH, 1001)
+        self.assertEqual(after.totalHeadersSize, 1051)
+        self.assertEqual(before.MAX_LENGTH, 201)
+        self.assertIs(after.site, site)

@@ -12,8 +12,8 @@ round; and a streamed chunk that arrives alone waits behind every other read
 that poll reported (a burst of other streams' chunks is read, all of it,
 before any is sent).
 
-So while an upstream read is handled (L{Cork.during}), a facade channel holds
-what it is asked to write and tells the cork (L{Cork.holding}); when the read
+So while an upstream read is handled (L{Cork.during}), a facade channel hands
+what it is asked to write to the cork to hold (L{Cork.hold}); when the read
 has been handled, each holder that held something is told to flush
 (L{Holder.flush}) and hands it to its socket in one call, or queues it behind
 what is already queued (L{send_now}).  Nothing waits for anything but the end
@@ -56,22 +56,35 @@ class Holder(Protocol):
     """A client connection that can hold writes for the length of a read."""
 
     def flush(self) -> None:
-        """Write what was held."""
+        """Write what was held (L{Cork.take})."""
 
 
 class Cork:
     """
-    Whether an upstream read is being handled, and which holders held
-    writes during it.
+    Whether an upstream read is being handled, and what each holder was
+    asked to write during it.
+
+    What a holder holds is kept here, not on the holder: a facade channel
+    has as many attributes as Python shares one key table for
+    (L{nvproxy.proxy.site}), and one more would give every channel a dict
+    of its own.
     """
 
     def __init__(self) -> None:
         self.active = False
-        self._held: list[Holder] = []
+        self._held: dict[Holder, list[bytes]] = {}
 
-    def holding(self, holder: Holder) -> None:
-        """C{holder} has started holding writes during this read."""
-        self._held.append(holder)
+    def hold(self, holder: Holder, data: bytes) -> None:
+        """Keep C{data} for C{holder}, after what it already holds."""
+        held = self._held.get(holder)
+        if held is None:
+            self._held[holder] = [data]
+        else:
+            held.append(data)
+
+    def take(self, holder: Holder) -> list[bytes] | None:
+        """What C{holder} holds, no longer held; C{None} when nothing."""
+        return self._held.pop(holder, None) if self._held else None
 
     def during(self, receive: Callable[[bytes], None], data: bytes) -> None:
         """
@@ -87,8 +100,7 @@ class Cork:
             receive(data)
         finally:
             self.active = False
-            held, self._held = self._held, []
-            for holder in held:
+            for holder in list(self._held):
                 holder.flush()
 
 

@@ -180,6 +180,12 @@ class _StrictChunkedDecoder(_ChunkedTransferDecoder):
             raise
 
 
+_NO_HEAD = -2
+"""L{_GuardedChannel._head_bytes} when no request head is awaited."""
+_AWAITING_LINE = -1
+"""L{_GuardedChannel._head_bytes} from a request's first byte to its line."""
+
+
 class _GuardedChannel(HTTPChannel):
     """
     An C{HTTPChannel} whose request heads must arrive within an absolute
@@ -193,39 +199,33 @@ class _GuardedChannel(HTTPChannel):
 
     site: GuardedSite
 
-    # A request line has arrived and its headers have not all arrived.
-    _in_head = False
-    _head_bytes = 0
+    _head_bytes = _NO_HEAD
+    """Where the channel is in a request's head, and whether L{_deadline}
+    counts: L{_NO_HEAD} when no head is awaited (the deadline does not
+    count), L{_AWAITING_LINE} from a request's first byte to its request
+    line, then the header bytes so far.  Once a head is in, the timer is
+    left scheduled, not cancelled, and the next request's first byte moves
+    it (a reset costs the reactor a tenth of a new timer and a cancel).
+    One attribute for three states: see L{_CHANNEL_ATTRIBUTES}."""
     _head_fields = 0
     _deadline: IDelayedCall | None = None
-    _deadline_on = False
-    """Whether L{_deadline} counts: once a request's head is in, the timer is
-    left scheduled, not cancelled, and the next request's first byte moves
-    it (a reset costs the reactor a tenth of a new timer and a cancel)."""
     _refused = False
     _host: IAddress | None = None
-    _held: list[bytes] | None = None
-    """What this channel was asked to write during the upstream read being
-    handled (L{nvproxy.proxy.cork}); C{None} when it holds nothing."""
 
     def connectionMade(self) -> None:
         HTTPChannel.connectionMade(self)
         self._arm_deadline()
 
     def _hold(self, data: bytes) -> bool:
-        """Keep C{data} for L{flush} if an upstream read is being handled."""
+        """Have the cork keep C{data} for L{flush} if an upstream read is
+        being handled."""
         if not CORK.active:
             return False
-        held = self._held
-        if held is None:
-            self._held = [data]
-            CORK.holding(self)
-        else:
-            held.append(data)
+        CORK.hold(self, data)
         return True
 
     def flush(self) -> None:
-        held, self._held = self._held, None
+        held = CORK.take(self)
         if held:
             data = held[0] if len(held) == 1 else b"".join(held)
             if not send_now(self.transport, data):
@@ -293,12 +293,11 @@ class _GuardedChannel(HTTPChannel):
         if _bare_cr_lf(line):
             self._refuse(400, "bare CR or LF in the request head")
             return
-        if not self._in_head:
+        if self._head_bytes < 0:
             if len(line) > limits.max_request_line:
                 self._refuse_request_line()
                 return
             if line:
-                self._in_head = True
                 self._head_bytes = 0
                 self._head_fields = 0
         elif line:
@@ -316,7 +315,7 @@ class _GuardedChannel(HTTPChannel):
         HTTPChannel.lineReceived(self, line)
 
     def lineLengthExceeded(self, line: bytes) -> None:
-        if self._in_head:
+        if self._head_bytes >= 0:
             self._refuse_header_bytes()
         else:
             self._refuse_request_line()
@@ -336,15 +335,14 @@ class _GuardedChannel(HTTPChannel):
         awaited = partial[:-1] if partial.endswith(b"\r") else partial
         if _bare_cr_lf(awaited):
             self._refuse(400, "bare CR or LF in the request head")
-        elif not self._in_head:
+        elif self._head_bytes < 0:
             if len(awaited) > self.site.limits.max_request_line:
                 self._refuse_request_line()
         elif self._head_bytes + len(awaited) > self.site.limits.max_header_bytes:
             self._refuse_header_bytes()
 
     def allHeadersReceived(self) -> None:
-        self._in_head = False
-        self._deadline_on = False
+        self._head_bytes = _NO_HEAD
         HTTPChannel.allHeadersReceived(self)
 
     def _maybeChooseTransferDecoder(self, header: bytes, data: bytes) -> bool:
@@ -359,7 +357,7 @@ class _GuardedChannel(HTTPChannel):
         decoder = self._transferDecoder
         if isinstance(decoder, _StrictChunkedDecoder) and decoder.error is not None:
             self._refuse(400, decoder.error)
-        elif self._in_head:
+        elif self._head_bytes >= 0:
             self._refuse(400, "malformed request head")
         else:
             self._refuse(400, "malformed request")
@@ -414,9 +412,9 @@ class _GuardedChannel(HTTPChannel):
     # -- the header deadline ------------------------------------------------
 
     def _arm_deadline(self) -> None:
-        if self._deadline_on or self._refused:
+        if self._head_bytes != _NO_HEAD or self._refused:
             return
-        self._deadline_on = True
+        self._head_bytes = _AWAITING_LINE
         deadline = self._deadline
         if deadline is not None and deadline.active():
             deadline.reset(self.site.limits.header_timeout)
@@ -426,14 +424,14 @@ class _GuardedChannel(HTTPChannel):
             )
 
     def _cancel_deadline(self) -> None:
-        self._deadline_on = False
+        self._head_bytes = _NO_HEAD
         deadline, self._deadline = self._deadline, None
         if deadline is not None and deadline.active():
             deadline.cancel()
 
     def _deadline_passed(self) -> None:
         self._deadline = None
-        if not self._deadline_on:
+        if self._head_bytes == _NO_HEAD:
             return  # between requests, or a body: no head is awaited
         self._refuse(
             408,
@@ -493,6 +491,91 @@ class _GuardedChannel(HTTPChannel):
         return str(self.transport.getPeer()) if self.transport else "?"
 
 
+_CHANNEL_ATTRIBUTES = (
+    # Twisted's, in the order a connection sets them.
+    "requests",
+    "_handlingRequest",
+    "_dataBuffer",
+    "_transferDecoder",
+    "timeOut",
+    "connected",
+    "transport",
+    "_networkProducer",
+    "_busyReceiving",
+    "_buffer",
+    "line_mode",
+    "_receivedHeaderSize",
+    "_HTTPChannel__first_line",
+    "_command",
+    "_path",
+    "_version",
+    "_HTTPChannel__header",
+    "_receivedHeaderCount",
+    "persistent",
+    "length",
+    "_savedTimeOut",
+    "_requestProducer",
+    "_requestProducerStreaming",
+    "_waitingForTransport",  # a client that reads slower than it is sent
+    # nvproxy's.
+    "_idle",
+    "_deadline",
+    "_head_bytes",
+    "_head_fields",
+    "_host",
+)
+"""
+What a facade channel sets on itself over its life, but for the rare ways
+out (a refusal, an abort).  CPython 3.11 stores an instance's attributes in
+a table whose keys all instances of the class share, when the class has
+seen at most 30 names (29 with the seed below) and each name was first set
+while few instances existed (every new instance takes one name's room).  A
+channel that sets one name more gets a dict of its own, about 1.3 KB more
+per connection; Twisted's channel and nvproxy's had 38.  So what
+C{Site.buildProtocol} set on every channel (the site, the reactor's
+C{callLater}, the request factory and twisted.web's limits) is set on a
+class made for the site (L{_channel_class}), nvproxy's head state is one
+attribute, the cork keeps what a channel holds, and the class is seeded
+with these names before its first connection.
+"""
+
+
+def _request_factory(channel: _GuardedChannel) -> Any:
+    return channel.site.requestFactory
+
+
+def _channel_class(site: GuardedSite) -> type[_GuardedChannel]:
+    """
+    The channel class of C{site}: its protocol, with what
+    C{Site.buildProtocol} sets on each channel set on the class, and the
+    class's shared key table seeded with L{_CHANNEL_ATTRIBUTES}.
+    """
+    limits = site.limits
+    base: type[_GuardedChannel] = site.protocol
+    cls: type[_GuardedChannel] = type(
+        base.__name__,
+        (base,),
+        {
+            "__module__": base.__module__,
+            "__doc__": base.__doc__,
+            "factory": site,
+            "site": site,
+            # read from the site, which may be given another after it is made
+            "requestFactory": property(_request_factory),
+            "callLater": site.reactor.callLater,
+            # twisted.web's own limits, each just beyond ours: they answer a
+            # bare 400 or close silently.
+            "MAX_LENGTH": max(limits.max_request_line, limits.max_header_bytes) + 1,
+            "totalHeadersSize": limits.max_request_line + limits.max_header_bytes + 1,
+            "maxHeaders": limits.max_header_count + 1,
+        },
+    )
+    seed = object.__new__(cls)
+    for name in _CHANNEL_ATTRIBUTES:
+        object.__setattr__(seed, name, None)
+    return cls
+
+
 class GuardedSite(Site):
     """
     A site whose channels enforce L{ClientLimits} (the admin listener's).
@@ -516,14 +599,22 @@ class GuardedSite(Site):
         self.limits = limits
         self.displayTracebacks = False
 
+    @property
+    def limits(self) -> ClientLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: ClientLimits) -> None:
+        # A reload's new limits hold for the connections made after it.
+        self._limits = limits
+        self._channel_class = _channel_class(self)
+
     def buildProtocol(self, addr: IAddress | None) -> Any:
-        channel = Site.buildProtocol(self, addr)
-        limits = self.limits
-        # twisted.web's own limits, each just beyond ours: they answer a bare
-        # 400 or close silently.
-        channel.MAX_LENGTH = max(limits.max_request_line, limits.max_header_bytes) + 1
-        channel.totalHeadersSize = limits.max_request_line + limits.max_header_bytes + 1
-        channel.maxHeaders = limits.max_header_count + 1
+        # Site.buildProtocol's, with what it sets on every channel on the
+        # class (_CHANNEL_ATTRIBUTES says why); only the timeout is the
+        # channel's own (TimeoutMixin sets it there).
+        channel = self._channel_class()
+        channel.timeOut = self.timeOut  # type: ignore[assignment]  # Site's float
         return channel
 
 
