@@ -193,8 +193,8 @@ class _GuardedChannel(HTTPChannel):
     answers rather than a bare status line or a silent close.
 
     twisted.web's own limits (C{MAX_LENGTH}, C{totalHeadersSize},
-    C{maxHeaders}) are set just above these in L{GuardedSite.buildProtocol},
-    so they never trip first.
+    C{maxHeaders}) are set just above these on the site's channel class
+    (L{_channel_class}), so they never trip first.
     """
 
     site: GuardedSite
@@ -530,8 +530,8 @@ out (a refusal, an abort).  CPython 3.11 stores an instance's attributes in
 a table whose keys all instances of the class share, when the class has
 seen at most 30 names (29 with the seed below) and each name was first set
 while few instances existed (every new instance takes one name's room).  A
-channel that sets one name more gets a dict of its own, about 1.3 KB more
-per connection; Twisted's channel and nvproxy's had 38.  So what
+channel that sets one name more gets a dict of its own, 1.6 KB in
+tracemalloc; Twisted's channel and nvproxy's set 38 names.  So what
 C{Site.buildProtocol} set on every channel (the site, the reactor's
 C{callLater}, the request factory and twisted.web's limits) is set on a
 class made for the site (L{_channel_class}), nvproxy's head state is one
