@@ -359,6 +359,79 @@ class FirstByteTimeoutTests(SynchronousTestCase):
         self.assertEqual(h.clock.getDelayedCalls(), [])
 
 
+class Adopter(Recorder):
+    """A personality's protocol that takes the first-byte timer over."""
+
+    def __init__(self, events: list[tuple[str, object]]) -> None:
+        super().__init__(events)
+        self.timer: object = None
+
+    def adopt_deadline(self, timer: object) -> object:
+        self.timer = timer
+        return lambda: self.events.append(("deadline", None))
+
+
+class AdoptingFactory(RecordingFactory):
+    def buildProtocol(self, addr: IAddress | None) -> Adopter:
+        self.built.append(addr)
+        return Adopter(self.events)
+
+
+class TimerHandOverTests(SynchronousTestCase):
+    """
+    A personality whose protocol has C{adopt_deadline} takes the first-byte
+    timer over rather than having it cancelled and making its own.
+    """
+
+    def harness(self) -> Harness:
+        h = Harness(IPv4Address("TCP", "127.0.0.1", 50000), timeout=5.0)
+        h.factory.plaintext = h.plain = AdoptingFactory()
+        return h
+
+    def test_timer_adopted(self) -> None:
+        """
+        The running timer is handed over before the protocol is connected,
+        not cancelled, and when it fires it calls what the protocol gave
+        back instead of aborting the connection.
+        """
+        h = self.harness()
+        (timer,) = h.clock.getDelayedCalls()
+        h.clock.advance(1)
+        h.feed(REQUEST)
+        protocol = h.protocol._inner
+        assert isinstance(protocol, Adopter)
+        self.assertIs(protocol.timer, timer)
+        self.assertTrue(timer.active())
+        self.assertEqual(h.clock.getDelayedCalls(), [timer])
+        self.assertEqual([kind for kind, _ in h.plain.events], ["made", "data"])
+        h.clock.advance(4)
+        self.assertEqual(h.plain.events[-1], ("deadline", None))
+        self.assertFalse(h.transport.disconnecting)
+        h.feed(b"more")
+        self.assertEqual(h.plain.received(), REQUEST + b"more")
+
+    def test_timer_not_adopted_after_it_fired(self) -> None:
+        """A connection whose timer fired is closed: nothing is built."""
+        h = self.harness()
+        h.clock.advance(5)
+        h.feed(REQUEST)
+        self.assertEqual(h.plain.built, [])
+
+    def test_tls_personality_does_not_adopt(self) -> None:
+        """The TLS side has no C{adopt_deadline}: the timer is cancelled."""
+        h = self.harness()
+        h.feed(CLIENT_HELLO)
+        self.assertEqual(h.clock.getDelayedCalls(), [])
+        self.assertEqual(h.tls.received(), CLIENT_HELLO)
+
+    def test_lost_connection_forgets_the_adopter(self) -> None:
+        h = self.harness()
+        h.feed(REQUEST)
+        h.protocol.connectionLost(Failure(ConnectionDone()))
+        self.assertIsNone(h.protocol._adopted)
+        self.assertEqual(h.plain.events[-1], ("lost", ConnectionDone))
+
+
 class FactoryLifecycleTests(SynchronousTestCase):
     def test_start_stop_forwarded(self) -> None:
         """Listening starts and stops both personalities' factories."""

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from twisted.internet import reactor
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionDone, ConnectionLost
@@ -316,6 +317,67 @@ class HeaderDeadlineTests(SynchronousTestCase):
         self.assertFalse(conn.transport.disconnected)
         self.clock.advance(conn.channel.abortTimeout)
         self.assertTrue(conn.transport.disconnected)
+
+
+class _CountingClock(Clock):
+    """A C{Clock} that counts the timers made."""
+
+    made = 0
+
+    def callLater(self, delay: float, callable: Any, *args: Any, **kw: Any) -> Any:
+        self.made += 1
+        return super().callLater(delay, callable, *args, **kw)
+
+
+class DemuxDeadlineTests(SynchronousTestCase):
+    """
+    Behind the facade port's demultiplexer, a channel's header deadline is
+    the connection's first-byte timer, moved to the first byte: one timer
+    fewer made (and cancelled) per connection.
+    """
+
+    def setUp(self) -> None:
+        self.clock = _CountingClock()
+        self.site = _facade_site(self.clock)
+        demux = DemuxFactory(self.site, None, self.clock, first_byte_timeout=10.0)
+        self.transport = StringTransport(
+            peerAddress=IPv4Address("TCP", "127.0.0.1", 50000)
+        )
+        self.protocol = demux.buildProtocol(self.transport.getPeer())
+        self.protocol.makeConnection(self.transport)
+        self.addCleanup(self.protocol.connectionLost, Failure(ConnectionDone()))
+        (self.first_byte,) = self.clock.getDelayedCalls()
+
+    def test_first_byte_timer_becomes_the_deadline(self) -> None:
+        """
+        Three seconds of silence, then a head that never completes: the
+        408 comes C{header_timeout} after the first byte, from the same
+        timer, and only the idle timer is made besides it.
+        """
+        self.clock.advance(3)
+        self.protocol.dataReceived(b"GET / HTTP/1.1\r\n")
+        channel: Any = self.protocol._inner
+        self.assertIs(channel._deadline, self.first_byte)
+        self.assertEqual(self.first_byte.getTime(), 3 + LIMITS.header_timeout)
+        self.assertEqual(self.clock.made, 2)  # the first-byte and idle timers
+        self.clock.advance(LIMITS.header_timeout - 0.01)
+        self.assertFalse(self.transport.disconnecting)
+        self.clock.advance(0.01)
+        self.assertTrue(self.transport.disconnecting)
+        self.assertTrue(self.transport.value().startswith(b"HTTP/1.1 408 "))
+
+    def test_served_and_closed_leaves_no_timer(self) -> None:
+        """
+        Two requests on the connection are served with the one deadline
+        timer; once the connection is gone no timer is left.
+        """
+        self.protocol.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.clock.advance(1)
+        self.protocol.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(self.transport.value().count(b"HTTP/1.1 200 OK"), 2)
+        self.assertEqual(self.clock.made, 2)
+        self.protocol.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
 
 
 class SizeLimitTests(SynchronousTestCase):

@@ -15,6 +15,14 @@ request line never does. So::
                                         other peers ─► close, nothing parsed
               timer fires first ───► abort the connection
 
+A plaintext personality whose protocol has C{adopt_deadline} (the facade's
+channel) takes the first-byte timer over as its header deadline, moved to
+start at the first byte, instead of the timer being cancelled and a new
+one made (Twisted keeps a cancelled call in its heap until it would have
+been due, so every connection left one behind).  The timer is then the
+protocol's to move and cancel; when it fires it calls what
+C{adopt_deadline} returned.
+
 The chosen personality's protocol is connected to the *real* transport and handed
 every byte received so far, then every later byte, so producer/consumer flow control,
 ``getPeer``/``getHost`` and (for TLS) ``getPeerCertificate`` behave exactly as on a
@@ -76,6 +84,7 @@ class _DemuxProtocol(Protocol):
 
     States: I{waiting} (C{_timer} set, C{_inner} None), I{handed off} (C{_inner}
     set), I{closed} (C{_closed} true; every later byte is dropped).
+    C{_adopted} is what the timer calls once the inner protocol took it over.
     """
 
     def __init__(self, factory: DemuxFactory, addr: IAddress) -> None:
@@ -85,6 +94,7 @@ class _DemuxProtocol(Protocol):
         self._timer: IDelayedCall | None = None
         self._closed = False
         self._plaintext_allowed = False
+        self._adopted: Callable[[], None] | None = None
 
     def connectionMade(self) -> None:
         assert self.transport is not None
@@ -109,7 +119,6 @@ class _DemuxProtocol(Protocol):
             return
         if self._closed or not data:
             return
-        self._cancel_timer()
         assert self.transport is not None
         peer = self.transport.getPeer()
         factory: IProtocolFactory
@@ -136,6 +145,12 @@ class _DemuxProtocol(Protocol):
         if inner is None:
             self._close()
             return
+        timer, self._timer = self._timer, None
+        adopt = getattr(inner, "adopt_deadline", None)
+        if adopt is not None and timer is not None and timer.active():
+            self._adopted = adopt(timer)
+        else:
+            _cancel(timer)
         self._inner = inner
         inner.makeConnection(self.transport)
         inner.dataReceived(data)
@@ -143,11 +158,16 @@ class _DemuxProtocol(Protocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._cancel_timer()
         self._closed = True
+        self._adopted = None
         inner, self._inner = self._inner, None
         if inner is not None:
             inner.connectionLost(reason)
 
     def _first_byte_timed_out(self) -> None:
+        adopted = self._adopted
+        if adopted is not None:
+            adopted()  # the inner protocol's deadline now
+            return
         self._timer = None
         assert self.transport is not None
         log.debug(
@@ -164,14 +184,18 @@ class _DemuxProtocol(Protocol):
 
     def _cancel_timer(self) -> None:
         timer, self._timer = self._timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+        _cancel(timer)
 
     def _close(self) -> None:
         self._cancel_timer()
         self._closed = True
         assert self.transport is not None
         self.transport.loseConnection()
+
+
+def _cancel(timer: IDelayedCall | None) -> None:
+    if timer is not None and timer.active():
+        timer.cancel()
 
 
 class DemuxFactory(ServerFactory):

@@ -411,6 +411,15 @@ class _GuardedChannel(HTTPChannel):
 
     # -- the header deadline ------------------------------------------------
 
+    def adopt_deadline(self, timer: IDelayedCall) -> Callable[[], None]:
+        """
+        Take the listener's first-byte timer over as the header deadline
+        (it is moved, in L{connectionMade}, to start at the first byte);
+        what the timer must call when it fires.
+        """
+        self._deadline = timer
+        return self._deadline_passed
+
     def _arm_deadline(self) -> None:
         if self._head_bytes != _NO_HEAD or self._refused:
             return
