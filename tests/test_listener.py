@@ -12,9 +12,15 @@ import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from OpenSSL import SSL
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
 from twisted.internet.error import CannotListenError, ConnectionDone
-from twisted.internet.interfaces import IAddress, IPushProducer, ITCPTransport
+from twisted.internet.interfaces import (
+    IAddress,
+    IOpenSSLServerConnectionCreator,
+    IPushProducer,
+    ITCPTransport,
+)
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import (
@@ -27,7 +33,12 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
-from nvproxy.proxy.listener import DemuxFactory, is_loopback, listen_facade
+from nvproxy.proxy.listener import (
+    DemuxFactory,
+    is_loopback,
+    listen_facade,
+    tls_personality,
+)
 
 LOOPBACK_PEERS: list[IAddress] = [
     IPv4Address("TCP", "127.0.0.1", 40001),
@@ -377,6 +388,14 @@ class AdoptingFactory(RecordingFactory):
         return Adopter(self.events)
 
 
+@implementer(IOpenSSLServerConnectionCreator)
+class _Creator:
+    """Server TLS connections without a certificate: enough to be built."""
+
+    def serverConnectionForTLS(self, tlsProtocol: object) -> SSL.Connection:
+        return SSL.Connection(SSL.Context(SSL.TLS_METHOD), None)
+
+
 class TimerHandOverTests(SynchronousTestCase):
     """
     A personality whose protocol has C{adopt_deadline} takes the first-byte
@@ -418,11 +437,18 @@ class TimerHandOverTests(SynchronousTestCase):
         self.assertEqual(h.plain.built, [])
 
     def test_tls_personality_does_not_adopt(self) -> None:
-        """The TLS side has no C{adopt_deadline}: the timer is cancelled."""
+        """
+        The TLS side's protocol does not take the timer over, even when the
+        protocol it wraps would (a protocol wrapper forwards unknown
+        attributes): the timer is cancelled.
+        """
         h = self.harness()
+        wrapped = AdoptingFactory()
+        h.factory.tls = tls_personality(_Creator(), wrapped, h.clock)
         h.feed(CLIENT_HELLO)
         self.assertEqual(h.clock.getDelayedCalls(), [])
-        self.assertEqual(h.tls.received(), CLIENT_HELLO)
+        self.assertIsNone(h.protocol._adopted)
+        self.assertEqual(len(wrapped.built), 1)
 
     def test_lost_connection_forgets_the_adopter(self) -> None:
         h = self.harness()

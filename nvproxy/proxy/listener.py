@@ -146,9 +146,11 @@ class _DemuxProtocol(Protocol):
             self._close()
             return
         timer, self._timer = self._timer, None
-        adopt = getattr(inner, "adopt_deadline", None)
+        # Looked up on the class: a protocol wrapper (the TLS side) forwards
+        # unknown instance attributes to its transport.
+        adopt = getattr(type(inner), "adopt_deadline", None)
         if adopt is not None and timer is not None and timer.active():
-            self._adopted = adopt(timer)
+            self._adopted = adopt(inner, timer)
         else:
             _cancel(timer)
         self._inner = inner
