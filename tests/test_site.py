@@ -1101,6 +1101,37 @@ class CorkTests(TestCase):
         self.patch(transport, "writeSomeData", record)
         return sent
 
+    async def test_finished_answer_leaves_before_the_read_ends(self) -> None:
+        """
+        An answer finished inside an upstream read is sent when it is
+        finished, in one piece, before what its end sets off (here a
+        C{notifyFinish} callback) runs and before the read is over; what is
+        written later in the read goes at its end.
+        """
+        channel, reader = await self.connection()
+        sent = self.sends(channel.transport)
+        seen: list[list[bytes]] = []
+        request = FacadeRequest(channel)
+        request.method, request.clientproto, request.uri = b"GET", b"HTTP/1.1", b"/"
+        channel.requests.append(request)
+        request.notifyFinish().addCallback(lambda _: seen.append(list(sent)))
+
+        def read(data: bytes) -> None:
+            request.setHeader(b"content-length", b"%d" % len(data))
+            request.write(data)
+            self.assertEqual(sent, [])
+            request.finish()
+            self.assertEqual(len(sent), 1)
+            channel.write(b"later")
+            self.assertEqual(len(sent), 1)
+
+        CORK.during(read, b"answer")
+        self.assertEqual(len(seen), 1)
+        ((answer,),) = seen
+        self.assertTrue(answer.startswith(b"HTTP/1.1 200 OK\r\n"))
+        self.assertTrue(answer.endswith(b"\r\n\r\nanswer"))
+        self.assertEqual(sent[1:], [b"later"])
+
     async def test_refusal_and_continue_behind_what_is_held(self) -> None:
         """
         A pipelined request parsed inside the read that ended the answer

@@ -242,6 +242,14 @@ class _GuardedChannel(HTTPChannel):
         self.flush()
         HTTPChannel.loseConnection(self)
 
+    def requestDone(self, request: Request) -> None:
+        # The answer is whole: it goes now, not at the end of the upstream
+        # read that completed it, so the client does not wait for the
+        # bookkeeping that follows in the same read (the stats, the job's
+        # outcome, the workload events, the metrics, the access line).
+        self.flush()
+        HTTPChannel.requestDone(self, request)
+
     def _send100Continue(self) -> None:
         # Twisted writes it to the transport: behind an answer still held
         # (a pipelined request parsed inside the read that ended the one
