@@ -85,13 +85,15 @@ class Recorder(Protocol):
 class RecordingFactory(Factory):
     """Builds L{Recorder}s that share one event list; counts doStart/doStop."""
 
+    recorder: type[Recorder] = Recorder
+
     def __init__(self) -> None:
         self.events: list[tuple[str, object]] = []
         self.built: list[IAddress | None] = []
 
     def buildProtocol(self, addr: IAddress | None) -> Recorder:
         self.built.append(addr)
-        return Recorder(self.events)
+        return self.recorder(self.events)
 
     def received(self) -> bytes:
         return b"".join(
@@ -383,9 +385,7 @@ class Adopter(Recorder):
 
 
 class AdoptingFactory(RecordingFactory):
-    def buildProtocol(self, addr: IAddress | None) -> Adopter:
-        self.built.append(addr)
-        return Adopter(self.events)
+    recorder = Adopter
 
 
 @implementer(IOpenSSLServerConnectionCreator)

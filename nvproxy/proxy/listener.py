@@ -145,14 +145,15 @@ class _DemuxProtocol(Protocol):
         if inner is None:
             self._close()
             return
-        timer, self._timer = self._timer, None
         # Looked up on the class: a protocol wrapper (the TLS side) forwards
         # unknown instance attributes to its transport.
         adopt = getattr(type(inner), "adopt_deadline", None)
+        timer = self._timer
         if adopt is not None and timer is not None and timer.active():
+            self._timer = None
             self._adopted = adopt(inner, timer)
         else:
-            _cancel(timer)
+            self._cancel_timer()
         self._inner = inner
         inner.makeConnection(self.transport)
         inner.dataReceived(data)
@@ -186,18 +187,14 @@ class _DemuxProtocol(Protocol):
 
     def _cancel_timer(self) -> None:
         timer, self._timer = self._timer, None
-        _cancel(timer)
+        if timer is not None and timer.active():
+            timer.cancel()
 
     def _close(self) -> None:
         self._cancel_timer()
         self._closed = True
         assert self.transport is not None
         self.transport.loseConnection()
-
-
-def _cancel(timer: IDelayedCall | None) -> None:
-    if timer is not None and timer.active():
-        timer.cancel()
 
 
 class DemuxFactory(ServerFactory):
