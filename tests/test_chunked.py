@@ -169,6 +169,35 @@ class EquivalenceTests(SynchronousTestCase):
         data, rest, error, calls = _run(CoalescingChunkedDecoder, [body])
         self.assertEqual((data, rest, error, calls), (b"token" * 50, b"", "", 1))
 
+    def test_read_after_a_cut_chunk_taken_at_once(self) -> None:
+        """
+        A read that starts inside a chunk the read before cut finishes that
+        chunk, then takes the whole chunks after it at once (the split), as
+        a read that starts at a chunk boundary does, not one by one.
+        """
+        from nvproxy.proxy import chunked
+
+        tokens = [b"token %d\n" % i for i in range(40)]
+        framed = b"".join(b"%x\r\n%s\r\n" % (len(t), t) for t in tokens)
+        framed += b"0\r\n\r\n"
+        taken: list[int] = []
+        split = chunked._whole_chunks
+
+        def recording(buf: bytes, pieces: list[bytes]) -> int:
+            taken.append(split(buf, pieces))
+            return taken[-1]
+
+        self.patch(chunked, "_whole_chunks", recording)
+        end = framed.index(b"token 3\n") + len(b"token 3\n")  # its CRLF next
+        for cut in (end - 5, end, end + 1):
+            del taken[:]
+            pieces = [framed[:cut], framed[cut:]]
+            self.assertEqual(
+                _run(CoalescingChunkedDecoder, pieces),
+                (*_run(_ChunkedTransferDecoder, pieces)[:3], 2),
+            )
+            self.assertGreater(taken[-1], len(framed) // 2)
+
     def test_limits(self) -> None:
         long_line = b"1" * 2000 + b"\r\n"
         self.assertEqual(
