@@ -562,8 +562,10 @@ def floor_notes(rows: Sequence[Row]) -> list[str]:
 
 async def scenario_paced(ctx: Context) -> Result:
     """
-    Paced streams: C{paced_concurrency} streams at once, C{paced_chunks}
-    tokens each, C{paced_interval} apart; how late each chunk arrives.
+    Paced streams: C{paced_chunks} tokens each, C{paced_interval} apart; how
+    late each chunk arrives.  One stream at a time (each chunk arrives
+    alone: what the proxy adds to a chunk), then C{paced_concurrency} at
+    once (their chunks arrive together: a chunk also waits for the others).
     """
     plan = ctx.plan
     return await _with_references(
@@ -571,7 +573,7 @@ async def scenario_paced(ctx: Context) -> Result:
         "paced",
         Workload(MODEL, stream=True, tokens=plan.paced_chunks),
         EngineSpec(plan.paced_chunks, plan.paced_interval),
-        (plan.paced_concurrency,),
+        (1, plan.paced_concurrency),
         delays=True,
     )
 
