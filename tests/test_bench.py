@@ -330,6 +330,28 @@ class ReportTests(SynchronousTestCase):
         self.assertIn("direct 20,000 req/s, x2.00 the fastest proxy (nginx", note)
         self.assertIn("load generator used 50% and the engine 40%", note)
 
+    def test_paced_figures(self) -> None:
+        """
+        Paced chunk delays at both concurrencies; CPU per 1,000 streams only
+        at 32 (one stream at a time takes less CPU than /proc's tick).
+        """
+        rows = [
+            _row(path, "paced", c=c, delay_p50=0.0002, delay_p99=0.0005)
+            for c in (1, 32)
+            for path in ("direct", "rpr", "nvproxy")
+        ]
+        labels = [f.label for f in report.figures(rows)]
+        self.assertEqual(
+            labels,
+            [
+                "paced c=1: chunk delay p50",
+                "paced c=1: chunk delay p99",
+                "paced c=32: chunk delay p50",
+                "paced c=32: chunk delay p99",
+                "paced c=32: proxy CPU per 1,000 streams",
+            ],
+        )
+
     def test_nan_is_a_dash(self) -> None:
         """A figure a path does not have (NaN) is left out."""
         rows = [_row("direct", "paced", delay_p50=math.nan)]
