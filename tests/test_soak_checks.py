@@ -126,6 +126,17 @@ class LateReadTests(SynchronousTestCase):
         self.assertEqual(report.violations, [])
         self.assertEqual(report.excused[LATE_READ], 1)
 
+    def test_engine_closed_first(self) -> None:
+        """
+        The late engine's own fault (an abort: it closes without answering)
+        may end the receipt before it sees the proxy's close: still no
+        answer from it, still dispatched before the answering one.
+        """
+        aborted = {**READ_LATE, "fault": "abort", "status": None, "end": "aborted_fin"}
+        report = _check([ANSWERED, aborted], _workload("n0", "n2"))
+        self.assertEqual(report.violations, [])
+        self.assertEqual(report.excused[LATE_READ], 1)
+
     def test_dispatched_after_the_answer(self) -> None:
         """The same receipt, but the workload went to n0 after n2: violations."""
         report = _check([ANSWERED, READ_LATE], _workload("n2", "n0"))

@@ -167,12 +167,14 @@ def _read_late(
     client on the same few cores, and an engine that is not scheduled for
     some milliseconds reads a request that much later, after the proxy has
     given the attempt up (a node that hid its model, say) and another node
-    has answered.  Such a receipt never got an answer head and ended with
-    the proxy's close.  The workload's dispatch events, each emitted as the
-    dispatch is made (and checked against the receipts: no receipt without
-    one), say which nodes were dispatched to before the answering one; a
-    late receipt at a node is explained only while that node has such a
-    dispatch left that no earlier receipt of it accounts for.
+    has answered.  Such a receipt never got an answer head: it ended with
+    the proxy's close, or with the engine's own fault (an abort) when the
+    engine acted before it saw that close.  The workload's dispatch events,
+    each emitted as the dispatch is made (and checked against the receipts:
+    no receipt without one), say which nodes were dispatched to before the
+    answering one; a late receipt at a node is explained only while that
+    node has such a dispatch left that no earlier receipt of it accounts
+    for.
     """
     if w is None:
         return []
@@ -186,12 +188,7 @@ def _read_late(
             before[r["node"]] -= 1
     late = []
     for r in rs:
-        if (
-            r["t_recv"] > after
-            and r["t_head"] is None
-            and r["end"] == "peer_closed"
-            and before[r["node"]] > 0
-        ):
+        if r["t_recv"] > after and r["t_head"] is None and before[r["node"]] > 0:
             before[r["node"]] -= 1
             late.append(r)
     return late
