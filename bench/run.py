@@ -404,13 +404,16 @@ async def _with_references(
     plan: Plan | None = None,
     delays: bool = False,
     one_request_each: bool = False,
+    requests_per_round: Mapping[int, int] | None = None,
     warmup_concurrency: int | None = None,
     floor: bool = False,
 ) -> Result:
     """
     The same engine reached directly, through Twisted's ReverseProxyResource,
     through nginx (when installed) and through nvproxy, in the same rounds.
-    With C{one_request_each}, every connection sends one request per round.
+    With C{one_request_each}, every connection sends one request per round;
+    C{requests_per_round} ends a round at a concurrency after that many
+    requests in all.
     With C{floor}, the bare Agent proxy (L{bench.agentfloor}) is measured
     too, and nginx is not.
     """
@@ -458,7 +461,9 @@ async def _with_references(
                 plan=plan,
                 engine=engine,
                 delays=delays,
-                max_requests=c if one_request_each else 0,
+                max_requests=(
+                    c if one_request_each else (requests_per_round or {}).get(c, 0)
+                ),
                 warmup_concurrency=warmup_concurrency,
             )
             result.rows += rows
@@ -568,6 +573,9 @@ async def scenario_paced(ctx: Context) -> Result:
     once (their chunks arrive together: a chunk also waits for the others).
     """
     plan = ctx.plan
+    # One stream at a time, a round is as many whole streams as fit in it
+    # (not one more, which would run past the round).
+    fit = int(plan.round_seconds // (plan.paced_chunks * plan.paced_interval))
     return await _with_references(
         ctx,
         "paced",
@@ -575,6 +583,7 @@ async def scenario_paced(ctx: Context) -> Result:
         EngineSpec(plan.paced_chunks, plan.paced_interval),
         (1, plan.paced_concurrency),
         delays=True,
+        requests_per_round={1: max(1, fit)},
     )
 
 
