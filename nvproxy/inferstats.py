@@ -279,7 +279,7 @@ class StatsMeter:
                 report = _report(_scan_keys(window))
         estimated = False
         if report is None or report.completion is None:
-            counted = self._count(_tally(win), sse)
+            counted = self._count(_tally(win, last_done=not sse), sse)
             if counted is not None:
                 estimated = True
                 report = _Report(
@@ -445,16 +445,18 @@ class _Window:
             end = newline
 
 
-_LAST_LINES = 4
+_LAST_LINES = 1
 """How many lines from the end are looked at one by one before the window is
-searched: an engine's report is in its last event or the one before."""
+searched.  An Ollama or llama.cpp report is the last record; an SSE
+stream's usage event comes before its C{[DONE]} and is found by the search,
+which a stream without a report (an OpenAI client that did not ask for
+usage) needs anyway: each line looked at first is searched twice."""
 
 
 def _last_report(win: _Window) -> _Report | None:
     """
-    The report of the last record carrying one: the last few lines are
-    looked at one by one (an engine's report is the last or next-to-last
-    event), then the rest of the window is searched for lines that could
+    The report of the last record carrying one: the last line is looked at
+    first, then the rest of the window is searched for lines that could
     carry one; only those are decoded.
     """
     if isinstance(win.document, dict):
@@ -515,11 +517,16 @@ def _counted(value: dict[str, Any]) -> tuple[int, int]:
     return int(report_only), int(_finishing(value))
 
 
-def _tally(win: _Window) -> _Tally:
-    """The window's L{_Tally}, decoding only lines that can change it."""
+def _tally(win: _Window, last_done: bool = True) -> _Tally:
+    """
+    The window's L{_Tally}, decoding only lines that can change it; without
+    C{last_done} (an SSE body's estimate does not use it) its C{last_done}
+    is C{False} and the last record is not looked for.
+    """
     if isinstance(win.document, dict):
         report_only, tokenless = _counted(win.document)
-        return _Tally(0, report_only, tokenless, win.document.get("done") is True)
+        final = last_done and win.document.get("done") is True
+        return _Tally(0, report_only, tokenless, final)
     done = report_only = tokenless = 0
     for span in win.matching(_MAY_TALLY):
         line = win.line(span)
@@ -532,13 +539,17 @@ def _tally(win: _Window) -> _Tally:
                 report_only += only
                 tokenless += finishing
     last_value = None
-    for span in win.backwards():
+    for span in win.backwards() if last_done else ():
         value = win.value(span)
         if isinstance(value, dict):
             last_value = value
             break
-    last_done = isinstance(last_value, dict) and last_value.get("done") is True
-    return _Tally(done, report_only, tokenless, last_done)
+    return _Tally(
+        done,
+        report_only,
+        tokenless,
+        isinstance(last_value, dict) and last_value.get("done") is True,
+    )
 
 
 def _lines_cut(tail: bytearray) -> int:

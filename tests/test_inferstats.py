@@ -7,6 +7,7 @@ import itertools
 import json
 from typing import Any
 
+from attrs import evolve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
@@ -711,3 +712,7 @@ class LastReportTests(SynchronousTestCase):
         win = inferstats._Window(window, whole)
         self.assertEqual(inferstats._last_report(win), report)
         self.assertEqual(inferstats._tally(win), tally)
+        # An SSE body's estimate does not ask for the last record's "done".
+        self.assertEqual(
+            inferstats._tally(win, last_done=False), evolve(tally, last_done=False)
+        )
