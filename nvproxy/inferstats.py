@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 from attrs import frozen
@@ -583,10 +583,19 @@ def _first_complete_event(head: bytes | bytearray) -> tuple[bool, object]:
     complete in C{head}, and if so what L{_first_event} makes of it: more
     bytes cannot change the answer.
     """
-    return _opening(head.split(b"\n")[:-1])
+    return _opening(_complete_lines(head))
 
 
-def _opening(lines: list[bytes] | list[bytearray]) -> tuple[bool, object]:
+def _complete_lines(head: bytes | bytearray) -> Iterator[bytes | bytearray]:
+    """The newline-terminated lines of C{head}, found as they are asked for:
+    the first event is usually the first line of a 2 KB head."""
+    start = 0
+    while (end := head.find(b"\n", start)) >= 0:
+        yield head[start:end]
+        start = end + 1
+
+
+def _opening(lines: Iterable[bytes | bytearray]) -> tuple[bool, object]:
     """
     Among C{lines}, the first that settles the opening event: a C{data:}
     line (its payload decoded) or any other line that is not an SSE field or
