@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from typing import Any
 
 from attrs import evolve
@@ -573,6 +574,23 @@ class StatsMeterTests(SynchronousTestCase):
             self.assertEqual(meter.finish(), expected)
             whole = measure(dialect, [b"".join(chunks) + end], tail_bytes=1 << 20)
             self.assertEqual(whole, expected)
+
+    def test_stream_window_holds_its_lines_not_its_peak(self) -> None:
+        """
+        What an open stream's window holds in memory follows the lines it
+        keeps: cutting the window back does not leave it the allocation it
+        grew to before the cut (a bytearray keeps it when its head is
+        deleted).
+        """
+        record = ndjson({"message": {"content": "x" * 80}, "done": False})
+        meter = StatsMeter(Clock(), "ollama", tail_bytes=8192)
+        meter.started()
+        empty = sys.getsizeof(bytearray())
+        for _ in range(300):
+            meter.feed(record)
+            held = sys.getsizeof(meter._tail) - empty
+            # a bytearray grows by an eighth over what it is asked for
+            self.assertLessEqual(held, meter.window * 1.25 + 64)
 
     def test_document_window_not_cut_by_lines(self) -> None:
         """
