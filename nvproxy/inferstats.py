@@ -221,10 +221,12 @@ class StatsMeter:
             if excess > 0:
                 del tail[:excess]  # advances the buffer start; no copy
         if len(tail) > self._trim_at:
-            # A new window, not a deletion: a bytearray keeps the allocation
-            # it grew to, and an open stream would hold its peak, not its
-            # lines (a copy of them, every few chunks).
-            self._tail = tail = tail[_lines_cut(tail) :]
+            cut = _lines_cut(tail)
+            if cut:
+                # A new window, not a deletion: a bytearray keeps the
+                # allocation it grew to, and an open stream would hold its
+                # peak, not its lines (a copy of them, every few chunks).
+                self._tail = tail = tail[cut:]
             # long lines: not cut again at every chunk
             self._trim_at = min(self._limit, max(_TRIM_AT, len(tail) + _TRIM_AT // 2))
 
