@@ -450,36 +450,29 @@ class _Window:
             end = newline
 
 
-_LAST_LINES = 1
-"""How many lines from the end are looked at one by one before the window is
-searched.  An Ollama or llama.cpp report is the last record; an SSE
-stream's usage event comes before its C{[DONE]} and is found by the search,
-which a stream without a report (an OpenAI client that did not ask for
-usage) needs anyway: each line looked at first is searched twice."""
-
-
 def _last_report(win: _Window) -> _Report | None:
     """
     The report of the last record carrying one: the last line is looked at
-    first, then the rest of the window is searched for lines that could
-    carry one; only those are decoded.
+    first (an Ollama or llama.cpp report is the last record), then the rest
+    of the window is searched for lines that could carry one; only those
+    are decoded.  An SSE stream's usage event, before its C{[DONE]}, is
+    found by the search, which a stream without a report (an OpenAI client
+    that did not ask for usage) needs anyway.
     """
     if isinstance(win.document, dict):
         return _report(win.document)
-    checked = len(win.window) + 1  # lines from here on have been looked at
-    for count, span in enumerate(win.backwards()):
-        if count == _LAST_LINES:
-            break
-        checked = span[0]
-        line = win.line(span)
-        if any(pattern.search(line) for pattern in _MAY_REPORT):
-            report = _line_report(win, span)
-            if report is not None:
-                return report
-    else:
-        return None  # every line was looked at
+    lines = win.backwards()
+    last = next(lines, None)
+    if last is None:
+        return None
+    if any(pattern.search(win.line(last)) for pattern in _MAY_REPORT):
+        report = _line_report(win, last)
+        if report is not None:
+            return report
+    if next(lines, None) is None:
+        return None  # the only line was looked at
     for span in reversed(win.matching(_MAY_REPORT)):
-        if span[0] < checked:
+        if span[0] < last[0]:
             report = _line_report(win, span)
             if report is not None:
                 return report
