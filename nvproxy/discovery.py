@@ -88,20 +88,45 @@ class Snapshot:
 
     generation: int = 0
     engines: Mapping[str, Mapping[str, NodeEntry]] = field(factory=_empty)
+    # Every request asks for its model's owners: in a fleet of a thousand
+    # nodes, sorting them all and testing each took longer than the rest of
+    # the request.  A snapshot never changes, so each answer is worked out
+    # once (on first use: most of a fleet's models are never asked for
+    # between two snapshots).  Only answers naming a node are kept, so what
+    # is kept is bounded by what the snapshot holds, whatever names clients
+    # send.
+    _nodes: dict[str, tuple[NodeEntry, ...]] = field(
+        init=False, factory=dict, eq=False, repr=False
+    )
+    _owners: dict[tuple[str, str], tuple[NodeEntry, ...]] = field(
+        init=False, factory=dict, eq=False, repr=False
+    )
 
     def nodes(self, engine: str) -> tuple[NodeEntry, ...]:
         """
         Every node answering for C{engine}: local first, then by node id.
         """
-        entries = self.engines.get(engine, {})
-        return tuple(sorted(entries.values(), key=_node_order))
+        found = self._nodes.get(engine)
+        if found is None:
+            entries = self.engines.get(engine)
+            if not entries:
+                return ()
+            found = tuple(sorted(entries.values(), key=_node_order))
+            self._nodes[engine] = found
+        return found
 
     def owners(self, engine: str, model: str) -> tuple[NodeEntry, ...]:
         """
         The nodes advertising C{model} (already normalized) for C{engine}, in
         the deterministic default order.
         """
-        return tuple(e for e in self.nodes(engine) if e.advertises(model))
+        key = (engine, model)
+        found = self._owners.get(key)
+        if found is None:
+            found = tuple(e for e in self.nodes(engine) if e.advertises(model))
+            if found:
+                self._owners[key] = found
+        return found
 
     def node(self, engine: str, node_id: str) -> NodeEntry | None:
         return self.engines.get(engine, {}).get(node_id)

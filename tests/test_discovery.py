@@ -94,6 +94,30 @@ class SnapshotTests(SynchronousTestCase):
         self.assertEqual(snapshot.owners("ollama", "absent:latest"), ())
         self.assertEqual(snapshot.owners("vllm", "m:latest"), ())
 
+    def test_answers_worked_out_once(self) -> None:
+        """
+        A snapshot never changes, so every request asking for a model's
+        owners gets the same answer, worked out once; what is kept does not
+        make two snapshots of the same inventory unequal.
+        """
+        snapshot = self.snapshot()
+        owners = snapshot.owners("ollama", "m:latest")
+        self.assertIs(snapshot.owners("ollama", "m:latest"), owners)
+        self.assertIs(snapshot.nodes("ollama"), snapshot.nodes("ollama"))
+        self.assertEqual(snapshot, Snapshot(snapshot.generation, snapshot.engines))
+
+    def test_unknown_names_are_not_kept(self) -> None:
+        """
+        Clients name any model: only answers naming a node are kept, so
+        what a snapshot keeps is bounded by what it holds.
+        """
+        snapshot = self.snapshot()
+        for i in range(50):
+            self.assertEqual(snapshot.owners("ollama", f"nobody-{i}:latest"), ())
+            self.assertEqual(snapshot.owners(f"engine-{i}", "m:latest"), ())
+        self.assertEqual(snapshot._owners, {})
+        self.assertEqual(set(snapshot._nodes), {"ollama"})
+
     def test_node(self) -> None:
         snapshot = self.snapshot()
         entry = snapshot.node("ollama", "gpu-2")
