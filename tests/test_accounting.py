@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from attrs import evolve
 from twisted.internet.defer import gatherResults
 
+from nvproxy.proxy import facade
 from nvproxy.testing.fakeengine import Behaviour, FakeEngine
 from nvproxy.testing.harness import facade_url, proxy_config
 from tests.test_forwarding import MemoryProxyTestCase
@@ -67,6 +69,38 @@ class BurstTests(MemoryProxyTestCase):
         self.assertEqual(per_node, [4, 4, 4])
         # Every reservation was released when its request ended.
         self.assertEqual(set(proxy.ops.status()["reservations"].values()), {0})
+
+
+class FleetTests(MemoryProxyTestCase):
+    def test_targets_made_only_for_dispatches(self) -> None:
+        """
+        A model with forty owners: the round lists them all, but what
+        dispatching to one takes is made only for the nodes dispatched to
+        (a job makes at most C{dispatch.max_attempts} dispatches), and the
+        request fails over as before.
+        """
+        engine = self.engine("ollama", ["m:latest"])
+        engine.script(Behaviour(status=503))
+        proxy = self.proxy(
+            {"ollama": engine.url},
+            nodes={f"gpu-{i:02d}": {"ollama": engine.url} for i in range(39)},
+        )
+        made: list[str] = []
+        original = facade.HttpTarget
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            target = original(*args, **kwargs)
+            made.append(target.node_id)
+            return target
+
+        self.patch(facade, "HttpTarget", counting)
+        code, _, _ = self.post(
+            facade_url(proxy, "ollama") + "/api/generate",
+            {"model": "m", "stream": False},
+        )
+        self.assertEqual(code, 200)
+        self.assertEqual(len(_inference(engine)), 2)
+        self.assertEqual(made, ["local", "gpu-00"])
 
 
 class ClaimTests(MemoryProxyTestCase):

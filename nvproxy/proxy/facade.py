@@ -35,7 +35,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from nvproxy.accounting import Accounting, RequestAccounting
 from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
-from nvproxy.dispatch import Dispatcher, JobOutcome, RejectReason, Target
+from nvproxy.dispatch import Attempt, Dispatcher, JobOutcome, RejectReason, Target
 from nvproxy.engines import RouteKind
 from nvproxy.jsonhttp import write_json
 from nvproxy.logs import Logger, clip, debug_shown
@@ -116,8 +116,7 @@ class _Candidates:
             entries: Sequence[NodeEntry] = snapshot.owners(engine.id, model)
         else:
             entries = snapshot.nodes(engine.id)
-        accounting = self._accounting
-        entries = accounting.order(entries)
+        entries = self._accounting.order(entries)
         others = len(entries) > 1
         targets: list[Target] = []
         for entry in entries:
@@ -126,17 +125,19 @@ class _Candidates:
             else:
                 endpoint = facade.backend.modelless_endpoint(entry)
             if endpoint is not None:
-                targets.append(
-                    facade._target(
-                        endpoint,
-                        self._upstream,
-                        self._client,
-                        accounting,
-                        model,
-                        others,
-                    )
-                )
+                targets.append(_Owner(self, endpoint, others))
         return targets
+
+    def build(self, endpoint: Endpoint, others: bool) -> Target:
+        """The target that dispatches to C{endpoint}."""
+        return self._facade._target(
+            endpoint,
+            self._upstream,
+            self._client,
+            self._accounting,
+            self._model,
+            others,
+        )
 
     def present(self, node_id: str) -> bool:
         """Whether C{node_id} still answers for this engine (and advertises
@@ -144,6 +145,28 @@ class _Candidates:
         model = self._model
         entry = self._facade._discovery.current.node(self._facade.engine.id, node_id)
         return entry is not None and (model is None or entry.advertises(model))
+
+
+class _Owner:
+    """
+    One owner in a round, as L{nvproxy.dispatch.Target}: what dispatching to
+    it takes is made only when it is dispatched to.  A round lists every
+    owner (a fleet's model may have hundreds), a job dispatches to at most
+    C{dispatch.max_attempts} of them.
+    """
+
+    __slots__ = ("_candidates", "_endpoint", "_others", "node_id")
+
+    def __init__(
+        self, candidates: _Candidates, endpoint: Endpoint, others: bool
+    ) -> None:
+        self._candidates = candidates
+        self._endpoint = endpoint
+        self._others = others
+        self.node_id = endpoint.node_id
+
+    def start(self, final: bool) -> Attempt:
+        return self._candidates.build(self._endpoint, self._others).start(final)
 
 
 @frozen
