@@ -23,11 +23,13 @@ from nvproxy.engines import Engine, RouteKind
 from nvproxy.inferstats import StatsMeter
 from nvproxy.metrics import Metrics, RequestMetrics
 from nvproxy.outliers import OutlierTable
-from nvproxy.readiness import ModelReadiness
+from nvproxy.readiness import AWAKE, ModelReadiness
 from nvproxy.scheduler import ReservationMap, ReservationTracker, choose, order_owners
 from nvproxy.workload import WorkloadRecorder, WorkloadTracker
 
 log = Logger()
+
+_AWAKE_RANK = AWAKE.rank
 
 Awake = Callable[[NodeEntry, str | None], bool]
 """(node entry, model) -> whether the node serves without waking (a backend's)."""
@@ -155,9 +157,11 @@ class RequestAccounting:
         """
         if not entries:
             return []
-        live = [entry for entry in entries if not entry.draining]
         draining = [entry for entry in entries if entry.draining]
-        if live and draining:
+        if not draining:
+            return self._order(list(entries))
+        live = [entry for entry in entries if not entry.draining]
+        if live:
             # Only the live ones take the round's reservation.
             return self._order(live) + self._order(draining, reserve=False)
         return self._order(list(entries))
@@ -182,25 +186,30 @@ class RequestAccounting:
             awake = self._awake
             model = self._model
             awake_fn = lambda node: awake(by_id[node], model)  # noqa: E731
+        # Everything a round orders by is read once per owner at most, and
+        # with no Python call per owner where a fleet's are mostly alike
+        # (awake, unloaded, not ejected): a model can have hundreds.
         ready_fn: Callable[[str], tuple[int, float]] | None = None
         if self._readiness is not None:
             # Once per round: a waking owner's estimate shrinks with time.
-            ranks = {
-                node: self._readiness(entry, self._model).rank
-                for node, entry in by_id.items()
-            }
+            readiness, model = self._readiness, self._model
+            ranks = {}
+            for node, entry in by_id.items():
+                ready = readiness(entry, model)
+                ranks[node] = _AWAKE_RANK if ready is AWAKE else ready.rank
             ready_fn = ranks.__getitem__
-        ejected_fn: Callable[[str], bool] | None = None
+        ejected_fn: Callable[[str], bool] | None = None  # (None: none is)
         if shared.outliers is not None:
-            is_ejected = shared.outliers.is_ejected
-            engine = self._engine.id
-            ejected_fn = lambda node: is_ejected(engine, node)  # noqa: E731
+            out = shared.outliers.ejected_among(self._engine.id, by_id)
+            if out:
+                ejected_fn = out.__contains__
+        loads = shared.reservations.loads_among(by_id)
         pin = shared.pins.get(self._engine.id)
         ordered = order_owners(
             by_id,
             pin=pin,
             snapshot=shared.reservations.snapshot,
-            loads=shared.reservations.load,
+            loads=loads,
             awake=awake_fn,
             ejected=ejected_fn,
             readiness=ready_fn,
@@ -213,6 +222,7 @@ class RequestAccounting:
                 awake=awake_fn,
                 ejected=ejected_fn,
                 readiness=ready_fn,
+                loads=loads,
             )
             self._reservations.adopt(reservation)
         return [by_id[node] for node in ordered]

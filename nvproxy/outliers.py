@@ -32,7 +32,7 @@ computed when asked, so no timer is ever left behind.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -186,6 +186,20 @@ class OutlierTable:
             return False
         record = self._records.get((engine, node))
         return record is not None and self._clock.seconds() < record.until
+
+    def ejected_among(self, engine: str, nodes: Collection[str]) -> frozenset[str]:
+        """
+        Which of C{nodes} are ejected now for C{engine}: one look at the
+        ejected, not one question per owner of a round.
+        """
+        if not self._records:
+            return frozenset()
+        now = self._clock.seconds()
+        return frozenset(
+            node
+            for (of, node), record in self._records.items()
+            if of == engine and now < record.until and node in nodes
+        )
 
     def ejected(self) -> list[Ejection]:
         """Every owner ejected now, by engine then node."""

@@ -36,6 +36,8 @@ reservation count — and so its estimated load — can never go below zero.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
+from itertools import compress, count, repeat
+from operator import eq
 from types import MappingProxyType
 
 from attrs import field, frozen, validators
@@ -219,6 +221,20 @@ class ReservationMap:
             pressure = snap.gpu_pressure.get(node_id, 0.0)
         return max(0.0, pending + pressure + self._counts.get(node_id, 0))
 
+    def loads_among(self, nodes: Collection[str]) -> dict[str, float]:
+        """
+        The load of each of C{nodes} that can have one (reserved on, or
+        named by the scheduler's snapshot); every other one's is 0.  One
+        round's loads at once, without a call per owner: a fleet's model can
+        have hundreds of owners, and most of them carry nothing.
+        """
+        named: set[str] = set(self._counts)
+        snap = self._snapshot
+        if snap is not None:
+            named.update(snap.pending)
+            named.update(snap.gpu_pressure)
+        return {node: self.load(node) for node in named if node in nodes}
+
     def snapshot_of_loads(self) -> Mapping[str, float]:
         """Estimated load of every node known to the snapshot or reserved on."""
         nodes: set[str] = set(self._counts)
@@ -300,9 +316,7 @@ def order_owners(
     Duplicates in ``owners`` are collapsed.
     """
     given = list(dict.fromkeys(owners))
-    position = {node_id: index for index, node_id in enumerate(given)}
     eligible = set(given)
-    load_of = _load_function(loads)
     head: list[str] = []
     if pin is not None and pin in eligible:
         head.append(pin)
@@ -313,13 +327,21 @@ def order_owners(
             if node_id in eligible and node_id not in seen:
                 listed.append(node_id)
                 seen.add(node_id)
-    if readiness is not None:
-        ready = readiness
-        rest = sorted(
-            eligible - seen, key=lambda n: (ready(n), load_of(n), position[n])
-        )
+    others = [node_id for node_id in given if node_id not in seen] if seen else given
+    # Sorted by (readiness, load, position in owners): each key made by
+    # map, not by a Python function per owner (a fleet's model can have
+    # hundreds of owners); the position (count) breaks every tie, so the
+    # node ids themselves are never compared.
+    if isinstance(loads, Mapping):
+        load_keys: Iterable[float] = map(loads.get, others, repeat(0.0))
     else:
-        rest = sorted(eligible - seen, key=lambda n: (load_of(n), position[n]))
+        load_keys = map(_load_function(loads), others)
+    keys: Iterable[tuple[object, ...]]
+    if readiness is not None:
+        keys = zip(map(readiness, others), load_keys, count(), others)
+    else:
+        keys = zip(load_keys, count(), others)
+    rest: list[str] = [key[-1] for key in sorted(keys)]  # type: ignore[misc]
     tail = listed + rest
     if awake is not None and readiness is None:
         tail = [n for n in tail if awake(n)] + [n for n in tail if not awake(n)]
@@ -339,6 +361,7 @@ def choose(
     listed: Collection[str] | None = None,
     ejected: Callable[[str], bool] | None = None,
     readiness: Callable[[str], tuple[int, float]] | None = None,
+    loads: Mapping[str, float] | None = None,
 ) -> tuple[list[str], Reservation | None]:
     """
     Reserve a candidate and move it to the front (§5 step 3, §6).
@@ -358,6 +381,9 @@ def choose(
         candidate the pick is made among the readiest ones only (same class
         and wake estimate as the readiest), so reservation never undoes
         readiness order. ``awake`` is then ignored.
+    :param loads: the candidates' loads as :meth:`ReservationMap.loads_among`
+        gives them (a node not in it carries none); by default each is asked
+        of ``reservations``.
 
     The pick is the least estimated-loaded scheduler-listed candidate, ties
     keeping order. With no scheduler opinion about any candidate (no snapshot
@@ -375,14 +401,20 @@ def choose(
     if listed is None:
         snap = reservations.snapshot
         listed = frozenset(snap.priority) if snap is not None else frozenset()
-    on_list = [n for n in pool if n in listed]
+    on_list = [n for n in pool if n in listed] if listed else []
     if on_list:
         pool = on_list
     elif readiness is not None:
-        ranks = {n: readiness(n) for n in pool}
-        best_rank = min(ranks.values())
-        pool = [n for n in pool if ranks[n] == best_rank]
-    best = min(pool, key=reservations.load)  # min keeps the first on ties
+        ranks = list(map(readiness, pool))
+        best_rank = min(ranks)
+        pool = list(compress(pool, map(eq, ranks, repeat(best_rank))))
+    if loads is None:
+        best = min(pool, key=reservations.load)  # min keeps the first on ties
+    else:
+        # No load is below 0: the first unloaded one is the pick, and a round
+        # in an idle fleet looks no further.
+        unloaded = next((node for node in pool if not loads.get(node)), None)
+        best = unloaded if unloaded is not None else min(pool, key=loads.__getitem__)
     reservation = reservations.reserve(best)
     candidates.remove(best)
     return [best, *candidates], reservation

@@ -132,6 +132,26 @@ class OutlierTableTests(SynchronousTestCase):
         self.table.served("ollama", "c")
         self.assertTrue(self.table.is_ejected("ollama", "b"))
 
+    def test_ejected_among(self) -> None:
+        """
+        A round's owners asked at once: exactly those C{is_ejected} names,
+        of that engine, among the owners given, until their interval ends.
+        """
+        owners = {"a", "b", "c"}
+        self.assertEqual(self.table.ejected_among("ollama", owners), frozenset())
+        self.table.transport_failed("ollama", "b")
+        self.table.transport_failed("ollama", "d")  # not an owner this round
+        self.table.transport_failed("lmstudio", "c")  # another engine
+        self.table.transport_failed("ollama", "a")
+        self.table.served("ollama", "a")  # reinstated
+        self.assertEqual(self.table.ejected_among("ollama", owners), {"b"})
+        self.assertEqual(
+            self.table.ejected_among("ollama", owners),
+            {n for n in owners if self.table.is_ejected("ollama", n)},
+        )
+        self.clock.advance(1.0)
+        self.assertEqual(self.table.ejected_among("ollama", owners), frozenset())
+
     def test_disabled(self) -> None:
         table = OutlierTable(self.clock, EjectionPolicy(0.0, 30.0))
         table.transport_failed("ollama", "b")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -476,3 +477,167 @@ class ReservationTrackerTests(SynchronousTestCase):
         _, r = choose(["a"], False, self.map)
         self.tracker.adopt(r)
         self.assertEqual(self.loads(), {"a": 0, "b": 0, "c": 0})
+
+
+def _reference_order(
+    owners: list[str],
+    *,
+    pin: str | None,
+    snapshot: SchedulerSnapshot | None,
+    load: Callable[[str], float],
+    awake: Callable[[str], bool] | None,
+    ejected: Callable[[str], bool] | None,
+    readiness: Callable[[str], tuple[int, float]] | None,
+) -> list[str]:
+    """L{order_owners} as it was before its keys were made without a call
+    per owner: the reference the fast one must agree with."""
+    given = list(dict.fromkeys(owners))
+    position = {node_id: index for index, node_id in enumerate(given)}
+    eligible = set(given)
+    head: list[str] = []
+    if pin is not None and pin in eligible:
+        head.append(pin)
+    seen = set(head)
+    listed: list[str] = []
+    if snapshot is not None:
+        for node_id in snapshot.priority:
+            if node_id in eligible and node_id not in seen:
+                listed.append(node_id)
+                seen.add(node_id)
+    if readiness is not None:
+        ready = readiness
+        rest = sorted(eligible - seen, key=lambda n: (ready(n), load(n), position[n]))
+    else:
+        rest = sorted(eligible - seen, key=lambda n: (load(n), position[n]))
+    tail = listed + rest
+    if awake is not None and readiness is None:
+        tail = [n for n in tail if awake(n)] + [n for n in tail if not awake(n)]
+    if ejected is not None:
+        out = {n for n in tail if ejected(n)}
+        if out:
+            tail = [n for n in tail if n not in out] + [n for n in tail if n in out]
+    return head + tail
+
+
+def _reference_pick(
+    ordered: list[str],
+    load: Callable[[str], float],
+    listed: frozenset[str],
+    *,
+    awake: Callable[[str], bool] | None,
+    ejected: Callable[[str], bool] | None,
+    readiness: Callable[[str], tuple[int, float]] | None,
+) -> str:
+    """The node L{choose} reserved before it took a load mapping."""
+    pool = ordered
+    if ejected is not None:
+        pool = [n for n in pool if not ejected(n)] or pool
+    if awake is not None and readiness is None:
+        pool = [n for n in pool if awake(n)] or pool
+    on_list = [n for n in pool if n in listed]
+    if on_list:
+        pool = on_list
+    elif readiness is not None:
+        ranks = {n: readiness(n) for n in pool}
+        best_rank = min(ranks.values())
+        pool = [n for n in pool if ranks[n] == best_rank]
+    return min(pool, key=load)
+
+
+FLEET = tuple(f"n{i}" for i in range(12))
+fleet_nodes = st.sampled_from(FLEET)
+ranks = st.sampled_from([(0, 0.0), (0, 0.0), (0, 2.0), (1, 5.0), (1, 30.0), (3, 9.0)])
+
+
+class FleetOrderTests(SynchronousTestCase):
+    """
+    The round's order and pick, with every owner's load read at once
+    (L{ReservationMap.loads_among}) and keys made without a Python call per
+    owner, are exactly what they were with a question per owner.
+    """
+
+    @given(
+        owners=st.lists(fleet_nodes, max_size=20),
+        pin=st.none() | st.sampled_from((*FLEET, "x")),
+        listed=st.none() | st.lists(st.sampled_from((*FLEET, "x")), unique=True),
+        pending=st.dictionaries(fleet_nodes, st.integers(-1, 3)),
+        pressure=st.dictionaries(fleet_nodes, st.sampled_from([0.0, 0.25, 1.5])),
+        reserved=st.lists(fleet_nodes, max_size=8),
+        rank=st.none() | st.dictionaries(fleet_nodes, ranks),
+        asleep=st.none() | st.sets(fleet_nodes),
+        out=st.none() | st.sets(fleet_nodes),
+    )
+    @settings(deadline=None, max_examples=300)
+    def test_same_order_and_pick(
+        self,
+        owners: list[str],
+        pin: str | None,
+        listed: list[str] | None,
+        pending: dict[str, int],
+        pressure: dict[str, float],
+        reserved: list[str],
+        rank: dict[str, tuple[int, float]] | None,
+        asleep: set[str] | None,
+        out: set[str] | None,
+    ) -> None:
+        maps = ReservationMap(), ReservationMap()
+        for reservations in maps:
+            if listed is not None:
+                reservations.apply_snapshot(
+                    SchedulerSnapshot(1, tuple(listed), pending, pressure)
+                )
+            for node in reserved:
+                reservations.reserve(node)
+        fast, slow = maps
+        readiness = None if rank is None else (lambda n: rank.get(n, (0, 0.0)))
+        awake = None if asleep is None else (lambda n: n not in asleep)
+        ejected = None if out is None else out.__contains__
+        loads = fast.loads_among(set(owners))
+        for node in FLEET:
+            self.assertEqual(
+                loads.get(node, 0.0), fast.load(node) if node in owners else 0.0
+            )
+        ordered = order_owners(
+            owners,
+            pin=pin,
+            snapshot=fast.snapshot,
+            loads=loads,
+            awake=awake,
+            ejected=ejected,
+            readiness=readiness,
+        )
+        expected = _reference_order(
+            owners,
+            pin=pin,
+            snapshot=slow.snapshot,
+            load=slow.load,
+            awake=awake,
+            ejected=ejected,
+            readiness=readiness,
+        )
+        self.assertEqual(ordered, expected)
+        pinned = pin in owners
+        chosen, reservation = choose(
+            ordered,
+            pinned,
+            fast,
+            awake=awake,
+            ejected=ejected,
+            readiness=readiness,
+            loads=loads,
+        )
+        if pinned or not ordered:
+            self.assertIsNone(reservation)
+            self.assertEqual(chosen, ordered)
+            return
+        best = _reference_pick(
+            expected,
+            slow.load,
+            frozenset(listed or ()),
+            awake=awake,
+            ejected=ejected,
+            readiness=readiness,
+        )
+        assert reservation is not None
+        self.assertEqual(reservation.node_id, best)
+        self.assertEqual(chosen, [best, *(n for n in ordered if n != best)])
