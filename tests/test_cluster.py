@@ -212,6 +212,24 @@ class PeerTests(SynchronousTestCase):
         self.assertIsNone(state.peer_at("10.0.0.9", 11435))
         self.assertEqual(state.pins, frozenset(fake_fingerprint(n) for n in (1, 2, 3)))
 
+    def test_peer_by_id_and_fingerprint(self) -> None:
+        """
+        Looked up, not searched; with two listings of a fingerprint or an
+        id (a dir's pin and a fleet's record), the first listed is the one.
+        """
+        a = Peer("a", "10.0.0.1", fake_fingerprint(1))
+        b = Peer("b", "10.0.0.2", fake_fingerprint(2))
+        again = Peer("c", "10.0.0.3", fake_fingerprint(1))
+        moved = Peer("b", "10.0.0.4", fake_fingerprint(4))
+        state = ClusterState(None, (a, b, again, moved))
+        self.assertEqual(state.peer_by_fingerprint(fake_fingerprint(1)), a)
+        self.assertEqual(state.peer_by_fingerprint(fake_fingerprint(4)), moved)
+        self.assertIsNone(state.peer_by_fingerprint(fake_fingerprint(9)))
+        self.assertEqual(state.peer("b"), b)
+        self.assertEqual(state.peer("c"), again)
+        self.assertIsNone(state.peer("z"))
+        self.assertEqual(state, ClusterState(None, (a, b, again, moved)))
+
 
 class InitTests(SynchronousTestCase):
     def test_creates_identity(self) -> None:

@@ -206,19 +206,33 @@ class ClusterState:
     def _node_id(self) -> str | None:
         return None if self.identity is None else self.identity.node_id
 
+    # Every request from a peer asks which peer its fingerprint is, and a
+    # fleet pins hundreds: looked up, not searched (the first peer listed
+    # wins, as a search from the start would find it).
+    _by_fingerprint: dict[Fingerprint, Peer] = field(init=False, eq=False, repr=False)
+    _by_id: dict[str, Peer] = field(init=False, eq=False, repr=False)
+
     @pins.default
     def _pins(self) -> frozenset[Fingerprint]:
         return frozenset(peer.fingerprint for peer in self.peers)
+
+    @_by_fingerprint.default
+    def _index_fingerprints(self) -> dict[Fingerprint, Peer]:
+        return {peer.fingerprint: peer for peer in reversed(self.peers)}
+
+    @_by_id.default
+    def _index_ids(self) -> dict[str, Peer]:
+        return {peer.id: peer for peer in reversed(self.peers)}
 
     @property
     def member(self) -> bool:
         return self.identity is not None
 
     def peer(self, peer_id: str) -> Peer | None:
-        return next((p for p in self.peers if p.id == peer_id), None)
+        return self._by_id.get(peer_id)
 
     def peer_by_fingerprint(self, fingerprint: Fingerprint) -> Peer | None:
-        return next((p for p in self.peers if p.fingerprint == fingerprint), None)
+        return self._by_fingerprint.get(fingerprint)
 
     def peer_at(self, host: str, port: int) -> Peer | None:
         """
