@@ -71,6 +71,7 @@ import enum
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from operator import attrgetter
 from random import random as _default_random
 from typing import Literal, Protocol
 
@@ -272,6 +273,8 @@ class Target(Protocol):
             C{AttemptFailed(kind=STATUS)} without committing.
         """
 
+
+_node_id = attrgetter("node_id")
 
 Resolver = Callable[[], Sequence[Target]]
 """
@@ -608,6 +611,8 @@ class _JobCore:
         except Exception:
             log.failure("dispatch: resolver raised (job {job})", job=self.job)
             return None
+        if len(set(map(_node_id, candidates))) == len(candidates):
+            return candidates  # (a resolver lists each node once: one pass in C)
         seen: set[str] = set()
         unique: list[Target] = []
         for target in candidates:

@@ -23,8 +23,10 @@ Errors the proxy itself produces use the engine's error dialect.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from attrs import frozen
@@ -118,15 +120,15 @@ class _Candidates:
             entries = snapshot.nodes(engine.id)
         entries = self._accounting.order(entries)
         others = len(entries) > 1
-        targets: list[Target] = []
-        for entry in entries:
-            if model is not None:
-                endpoint: Endpoint | None = entry.models[model]
-            else:
-                endpoint = facade.backend.modelless_endpoint(entry)
-            if endpoint is not None:
-                targets.append(_Owner(self, endpoint, others))
-        return targets
+        # (map, not a loop: a fleet's model can have hundreds of owners)
+        if model is not None:
+            endpoints: Iterable[Endpoint] = map(
+                itemgetter(model), map(_MODELS, entries)
+            )
+        else:
+            found = map(facade.backend.modelless_endpoint, entries)
+            endpoints = [endpoint for endpoint in found if endpoint is not None]
+        return list(map(_Owner, repeat(self), endpoints, repeat(others)))
 
     def build(self, endpoint: Endpoint, others: bool) -> Target:
         """The target that dispatches to C{endpoint}."""
@@ -145,6 +147,9 @@ class _Candidates:
         model = self._model
         entry = self._facade._discovery.current.node(self._facade.engine.id, node_id)
         return entry is not None and (model is None or entry.advertises(model))
+
+
+_MODELS = attrgetter("models")
 
 
 class _Owner:
