@@ -210,13 +210,14 @@ def _toml_config(
     node_id: str = "bench",
     cluster_dir: Path | None = None,
     vllm: tuple[int, str, str] | None = None,
+    poll_interval: str = "2s",
 ) -> str:
     lines = [
         f"node_id = {_toml_string(node_id)}",
         "[admin]",
         f'listen = "127.0.0.1:{admin_port}"',
         "[discovery]",
-        'poll_interval = "2s"',
+        f"poll_interval = {_toml_string(poll_interval)}",
         "[engines.ollama]",
     ]
     if backend:
@@ -267,6 +268,7 @@ async def launch_proxy(
     facade_port: int | None = None,
     extra_config: str = "",
     vllm: tuple[int, str, str] | None = None,
+    poll_interval: str = "2s",
 ) -> Proxy:
     """
     Start C{twistd -n nvproxy} as node C{node_id} in front of C{backend} and the
@@ -290,6 +292,7 @@ async def launch_proxy(
             node_id,
             cluster_dir,
             vllm,
+            poll_interval,
         )
         + extra_config
     )

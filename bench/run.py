@@ -540,6 +540,87 @@ async def scenario_floor(ctx: Context) -> Result:
     return result
 
 
+FLEET_SIZES = (100, 1000)
+"""The fleets of the C{fleet} scenario: this many more owners of the model."""
+
+
+async def scenario_fleet(ctx: Context) -> Result:
+    """
+    What routing costs as a fleet grows: chat (c=1, c=32) through RPR and
+    through nvproxy with the model on this node alone, then with
+    L{FLEET_SIZES} more owners.  Every owner is a direct node whose URL is
+    the same engine, so only nvproxy's routing (the snapshot's owners, the
+    round's order and reservation, the targets) grows with the fleet.  Not
+    in the default run; C{--only fleet}.
+    """
+    running: list[procs.Proc] = []
+    result = Result()
+    try:
+        engine, engine_url = await _start_engine(ctx, "fleet-engine", EngineSpec())
+        running.append(engine)
+        rpr, rpr_url = await refs.start_rpr(
+            ctx.reactor, ctx.workdir, "fleet-rpr", engine_url
+        )
+        running.append(rpr)
+        paths = [
+            Path_(DIRECT, engine_url, proxied=False),
+            Path_(RPR, rpr_url, proxied=True, target=rpr),
+        ]
+        for size in (0, *FLEET_SIZES):
+            nodes = {f"fleet-{i:04d}": engine_url for i in range(size)}
+            # Polled once at start: a poll of the whole fleet inside a
+            # round would be counted as routing.
+            proxy = await procs.launch_proxy(
+                ctx.reactor,
+                ctx.workdir,
+                engine_url,
+                nodes,
+                f"fleet-nvproxy-{size}",
+                poll_interval="1h",
+            )
+            running.append(proxy.proc)
+            await procs.wait_ready(
+                ctx.reactor, proxy, dict.fromkeys({"bench", *nodes}, ""), 60
+            )
+            name = NVPROXY if not size else f"{NVPROXY}+{size}"
+            paths.append(Path_(name, proxy.facade, proxied=True, target=proxy.proc))
+        for c in ctx.plan.concurrencies:
+            rows = await compare(
+                ctx, "fleet", paths, Workload(MODEL, stream=False), c, None
+            )
+            result.rows += rows
+            _progress(ctx, rows)
+        for note in fleet_notes(result.rows):
+            ctx.out.write(f"  {note}\n")
+            result.notes.append(note)
+    finally:
+        await _stop_all(ctx, running)
+    return result
+
+
+def fleet_notes(rows: Sequence[Row]) -> list[str]:
+    """nvproxy's CPU per request by fleet size, and against RPR's."""
+    notes = []
+    for c in sorted({r.concurrency for r in rows}):
+        cpu = {
+            r.path: r.proxy_cpu_per_request
+            for r in rows
+            if r.concurrency == c and r.proxy_cpu_per_request is not None
+        }
+        floor = cpu.get(RPR)
+        parts = []
+        for path, value in cpu.items():
+            if path == RPR or value is None:
+                continue
+            owners = 1 + int(path.partition("+")[2] or 0)
+            ratio = f" ({_ratio(value, floor)}x RPR)" if floor else ""
+            noun = "owner" if owners == 1 else "owners"
+            parts.append(f"{owners} {noun} {value * 1e6:.0f} us{ratio}")
+        if parts:
+            notes.append(f"fleet c={c}: nvproxy CPU per request, " + ", ".join(parts))
+    return notes
+
+
 def floor_notes(rows: Sequence[Row]) -> list[str]:
     """nvproxy's proxy CPU per request against the Agent floor's and RPR's."""
     cpu = {
@@ -1082,6 +1163,7 @@ SCENARIOS: dict[str, Callable[[Context], Awaitable[Result]]] = {
 #: scenarios run only when named with --only
 EXTRA_SCENARIOS: dict[str, Callable[[Context], Awaitable[Result]]] = {
     "floor": scenario_floor,
+    "fleet": scenario_fleet,
 }
 
 

@@ -238,6 +238,30 @@ class ReportTests(SynchronousTestCase):
         self.assertIn(" 600 ", agent[0])
         self.assertIn(" 0.75 ", agent[0])  # its CPU against RPR's
 
+    def test_fleet_notes(self) -> None:
+        """
+        The fleet scenario's note gives nvproxy's CPU per request by the
+        number of owners of the model, against RPR's; the fleet rows stay
+        out of the summary figures.
+        """
+        rows = [
+            _row("direct", scenario="fleet", c=1),
+            _row("rpr", scenario="fleet", c=1, proxy_cpu_per_request=0.0005),
+            _row("nvproxy", scenario="fleet", c=1, proxy_cpu_per_request=0.0004),
+            _row("nvproxy+100", scenario="fleet", c=1, proxy_cpu_per_request=0.0006),
+            _row("direct", scenario="fleet"),
+            _row("nvproxy", scenario="fleet", proxy_cpu_per_request=0.0003),
+        ]
+        self.assertEqual(
+            run.fleet_notes(rows),
+            [
+                "fleet c=1: nvproxy CPU per request, 1 owner 400 us (0.80x RPR),"
+                " 101 owners 600 us (1.20x RPR)",
+                "fleet c=32: nvproxy CPU per request, 1 owner 300 us",
+            ],
+        )
+        self.assertEqual(report.figures(rows), [])
+
     def test_figures_table_columns(self) -> None:
         """
         The figures table has a column for each reference proxy and the
