@@ -186,9 +186,9 @@ class RequestAccounting:
             awake = self._awake
             model = self._model
             awake_fn = lambda node: awake(by_id[node], model)  # noqa: E731
-        # Everything a round orders by is read once per owner at most, and
-        # with no Python call per owner where a fleet's are mostly alike
-        # (awake, unloaded, not ejected): a model can have hundreds.
+        # A fleet's model can have hundreds of owners, most of them alike
+        # (awake, unloaded, not ejected): readiness is asked once per owner,
+        # loads and ejections once for the round, not per owner.
         ready_fn: Callable[[str], tuple[int, float]] | None = None
         if self._readiness is not None:
             # Once per round: a waking owner's estimate shrinks with time.
