@@ -147,27 +147,42 @@ class RequestAccounting:
 
     # -- ordering ---------------------------------------------------------
 
-    def order(self, entries: Sequence[NodeEntry]) -> list[NodeEntry]:
+    def order(
+        self,
+        entries: Sequence[NodeEntry],
+        ranks: Mapping[str, tuple[int, float]] | None = None,
+    ) -> list[NodeEntry]:
         """
         Order this round's eligible owners and take the round's reservation.
         Owners ejected after a transport failure come last (an eligible pin
         stays first); draining nodes come after all of those (a pin on one
         too), so they get new work only when no other owner is left; none is
         ever dropped or added.
+
+        @param ranks: the readiness ranks of owners that are not this node,
+            as the discovery snapshot has them (L{Snapshot.ranks}), taken as
+            they are; every owner not in it is asked of the backend.  (A
+            backend's readiness for an owner that is not this node is the
+            snapshot's: L{nvproxy.proxy.backends.Backend.readiness}.)
         """
         if not entries:
             return []
         draining = [entry for entry in entries if entry.draining]
         if not draining:
-            return self._order(list(entries))
+            return self._order(list(entries), ranks=ranks)
         live = [entry for entry in entries if not entry.draining]
         if live:
             # Only the live ones take the round's reservation.
-            return self._order(live) + self._order(draining, reserve=False)
-        return self._order(list(entries))
+            return self._order(live, ranks=ranks) + self._order(
+                draining, reserve=False, ranks=ranks
+            )
+        return self._order(list(entries), ranks=ranks)
 
     def _order(
-        self, entries: Sequence[NodeEntry], reserve: bool = True
+        self,
+        entries: Sequence[NodeEntry],
+        reserve: bool = True,
+        ranks: Mapping[str, tuple[int, float]] | None = None,
     ) -> list[NodeEntry]:
         shared = self._shared
         by_id = {entry.node_id: entry for entry in entries}
@@ -187,17 +202,20 @@ class RequestAccounting:
             model = self._model
             awake_fn = lambda node: awake(by_id[node], model)  # noqa: E731
         # A fleet's model can have hundreds of owners, most of them alike
-        # (awake, unloaded, not ejected): readiness is asked once per owner,
-        # loads and ejections once for the round, not per owner.
+        # (awake, unloaded, not ejected): readiness comes from the snapshot
+        # where it can, loads and ejections are read once for the round,
+        # not asked per owner.
         ready_fn: Callable[[str], tuple[int, float]] | None = None
         if self._readiness is not None:
             # Once per round: a waking owner's estimate shrinks with time.
             readiness, model = self._readiness, self._model
-            ranks = {}
-            for node, entry in by_id.items():
-                ready = readiness(entry, model)
-                ranks[node] = _AWAKE_RANK if ready is AWAKE else ready.rank
-            ready_fn = ranks.__getitem__
+            known = ranks if ranks is not None else {}
+            asked = {}
+            for node in by_id.keys() - known.keys():
+                ready = readiness(by_id[node], model)
+                asked[node] = _AWAKE_RANK if ready is AWAKE else ready.rank
+            every = {**known, **asked} if asked else known
+            ready_fn = every.__getitem__
         ejected_fn: Callable[[str], bool] | None = None  # (None: none is)
         if shared.outliers is not None:
             out = shared.outliers.ejected_among(self._engine.id, by_id)

@@ -101,6 +101,9 @@ class Snapshot:
     _owners: dict[tuple[str, str], tuple[NodeEntry, ...]] = field(
         init=False, factory=dict, eq=False, repr=False
     )
+    _ranks: dict[tuple[str, str | None], dict[str, tuple[int, float]]] = field(
+        init=False, factory=dict, eq=False, repr=False
+    )
 
     def nodes(self, engine: str) -> tuple[NodeEntry, ...]:
         """
@@ -126,6 +129,30 @@ class Snapshot:
             found = tuple(e for e in self.nodes(engine) if e.advertises(model))
             if found:
                 self._owners[key] = found
+        return found
+
+    def ranks(self, engine: str, model: str | None) -> Mapping[str, tuple[int, float]]:
+        """
+        How ready C{model} is on each of its owners for C{engine} that is
+        not this node (every node answering for C{engine} when C{model} is
+        C{None}), as L{ModelReadiness.rank} of their node records: worked
+        out once, where each request's order would otherwise ask every
+        owner.  This node's readiness can be live (a vLLM service's), so
+        it is not here; nor is any node when nobody advertises C{model}.
+        """
+        key = (engine, model)
+        found = self._ranks.get(key)
+        if found is None:
+            entries = (
+                self.nodes(engine) if model is None else self.owners(engine, model)
+            )
+            found = {
+                entry.node_id: entry.readiness_of(model).rank
+                for entry in entries
+                if entry.kind != "local"
+            }
+            if entries:
+                self._ranks[key] = found
         return found
 
     def node(self, engine: str, node_id: str) -> NodeEntry | None:

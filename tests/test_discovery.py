@@ -19,6 +19,7 @@ from nvproxy.discovery import (
     PollingDiscovery,
     Snapshot,
 )
+from nvproxy.readiness import AWAKE, ModelReadiness
 
 LOCAL = Endpoint("local", "ollama", "local", "http://127.0.0.1:11434")
 GPU2 = Endpoint("gpu-2", "ollama", "direct", "http://10.0.0.2:11434/")
@@ -117,6 +118,36 @@ class SnapshotTests(SynchronousTestCase):
             self.assertEqual(snapshot.owners(f"engine-{i}", "m:latest"), ())
         self.assertEqual(snapshot._owners, {})
         self.assertEqual(set(snapshot._nodes), {"ollama"})
+
+    def test_ranks(self) -> None:
+        """
+        The readiness rank of each owner that is not this node, from its
+        record (awake when it says nothing); for no model, of every node.
+        """
+        waking = ModelReadiness("waking", 3.0)
+        gpu3 = NodeEntry(
+            "gpu-3", "direct", {"m:latest": GPU2}, (GPU2,), {"m:latest": waking}
+        )
+        snapshot = Snapshot(
+            1,
+            {
+                "ollama": {
+                    "gpu-3": gpu3,
+                    "gpu-2": _entry("gpu-2", {"x:latest": GPU2}, GPU2),
+                    "local": _entry("local", {"m:latest": LOCAL}, LOCAL),
+                }
+            },
+        )
+        self.assertEqual(snapshot.ranks("ollama", "m:latest"), {"gpu-3": waking.rank})
+        self.assertIs(
+            snapshot.ranks("ollama", "m:latest"), snapshot.ranks("ollama", "m:latest")
+        )
+        self.assertEqual(
+            snapshot.ranks("ollama", None),
+            {"gpu-2": AWAKE.rank, "gpu-3": AWAKE.rank},
+        )
+        self.assertEqual(snapshot.ranks("ollama", "nobody:latest"), {})
+        self.assertNotIn(("ollama", "nobody:latest"), snapshot._ranks)
 
     def test_node(self) -> None:
         snapshot = self.snapshot()

@@ -26,7 +26,7 @@ from twisted.web.http_headers import Headers
 from nvproxy.accounting import Accounting
 from nvproxy.cluster import PeerPolicyForHTTPS
 from nvproxy.config import VllmHold, VllmServiceConfig
-from nvproxy.discovery import Endpoint, NodeEntry
+from nvproxy.discovery import Endpoint, NodeEntry, Snapshot
 from nvproxy.drain import DrainState
 from nvproxy.engines import ENGINES, RouteKind
 from nvproxy.metrics import Metrics
@@ -111,17 +111,20 @@ def _entry(node: str, kind: Any = "peer", draining: bool = False) -> NodeEntry:
     return NodeEntry(node, kind, {"M": endpoint}, (endpoint,), draining=draining)
 
 
+def _accounting(pins: dict[str, str] | None = None) -> Accounting:
+    clock = Clock()
+    return Accounting(
+        clock,
+        ReservationMap(),
+        WorkloadRecorder(clock, [], run_id="r", originated_from="a"),
+        Metrics(CollectorRegistry()),
+        pins or {},
+    )
+
+
 class DrainOrderTests(SynchronousTestCase):
     def accounting(self, pins: dict[str, str] | None = None) -> Accounting:
-        clock = Clock()
-        registry = CollectorRegistry()
-        return Accounting(
-            clock,
-            ReservationMap(),
-            WorkloadRecorder(clock, [], run_id="r", originated_from="a"),
-            Metrics(registry),
-            pins or {},
-        )
+        return _accounting(pins)
 
     def order(self, accounting: Accounting, entries: list[NodeEntry]) -> list[str]:
         request = accounting.begin(
@@ -147,6 +150,37 @@ class DrainOrderTests(SynchronousTestCase):
         self.order(accounting, [_entry("b")])
         self.order(accounting, [_entry("b")])
         self.assertEqual(accounting.in_flight, {"vllm": 2})
+
+
+class SnapshotRanksTests(SynchronousTestCase):
+    def test_snapshot_ranks_taken_this_node_asked(self) -> None:
+        """
+        A round takes the other owners' readiness from the snapshot's ranks
+        and asks the backend only about this node's own entry, whose
+        readiness is live: the order is the one asking every owner gives.
+        """
+        here = _entry("a", "local")
+        waking = evolve(_entry("b"), readiness={"M": ModelReadiness("waking", 2.0)})
+        entries = {e.node_id: e for e in (here, waking, _entry("c"))}
+        snapshot = Snapshot(1, {"vllm": entries})
+        asked: list[str] = []
+
+        def readiness(entry: NodeEntry, model: str | None) -> ModelReadiness:
+            asked.append(entry.node_id)
+            if entry.kind == "local":
+                return ModelReadiness("sleeping", 5.0)  # live, not in the snapshot
+            return entry.readiness_of(model)
+
+        orders = []
+        for ranks in (snapshot.ranks("vllm", "M"), None):
+            asked.clear()
+            request = _accounting().begin(
+                ENGINES["vllm"], "M", RouteKind.INFERENCE, readiness=readiness
+            )
+            owners = snapshot.owners("vllm", "M")
+            orders.append([e.node_id for e in request.order(owners, ranks)])
+            self.assertEqual(sorted(asked), ["a"] if ranks else ["a", "b", "c"])
+        self.assertEqual(orders, [["c", "b", "a"], ["c", "b", "a"]])
 
 
 class CtlTests(SynchronousTestCase):

@@ -103,7 +103,12 @@ class Backend(Protocol):
         """Whether C{entry} serves C{model} without a wake."""
 
     def readiness(self, entry: NodeEntry, model: str | None) -> ModelReadiness:
-        """How ready C{entry}'s C{model} is (the snapshot's, or live)."""
+        """
+        How ready C{entry}'s C{model} is: live for this node's own entry
+        (kind C{local}) where the backend knows better, the snapshot's
+        (C{entry.readiness_of}) for every other one, which a round's order
+        takes from the snapshot without asking (L{Snapshot.ranks}).
+        """
 
     def modelless_endpoint(self, entry: NodeEntry) -> Endpoint | None:
         """Where a request naming no model goes on C{entry}, if anywhere."""

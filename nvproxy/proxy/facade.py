@@ -118,7 +118,7 @@ class _Candidates:
             entries: Sequence[NodeEntry] = snapshot.owners(engine.id, model)
         else:
             entries = snapshot.nodes(engine.id)
-        entries = self._accounting.order(entries)
+        entries = self._accounting.order(entries, snapshot.ranks(engine.id, model))
         others = len(entries) > 1
         # (map, not a loop: a fleet's model can have hundreds of owners)
         if model is not None:
