@@ -23,13 +23,11 @@ from nvproxy.engines import Engine, RouteKind
 from nvproxy.inferstats import StatsMeter
 from nvproxy.metrics import Metrics, RequestMetrics
 from nvproxy.outliers import OutlierTable
-from nvproxy.readiness import AWAKE, ModelReadiness
+from nvproxy.readiness import ModelReadiness
 from nvproxy.scheduler import ReservationMap, ReservationTracker, choose, order_owners
 from nvproxy.workload import WorkloadRecorder, WorkloadTracker
 
 log = Logger()
-
-_AWAKE_RANK = AWAKE.rank
 
 Awake = Callable[[NodeEntry, str | None], bool]
 """(node entry, model) -> whether the node serves without waking (a backend's)."""
@@ -210,10 +208,10 @@ class RequestAccounting:
             # Once per round: a waking owner's estimate shrinks with time.
             readiness, model = self._readiness, self._model
             known = ranks if ranks is not None else {}
-            asked = {}
-            for node in by_id.keys() - known.keys():
-                ready = readiness(by_id[node], model)
-                asked[node] = _AWAKE_RANK if ready is AWAKE else ready.rank
+            asked = {
+                node: readiness(by_id[node], model).rank
+                for node in by_id.keys() - known.keys()
+            }
             every = {**known, **asked} if asked else known
             ready_fn = every.__getitem__
         ejected_fn: Callable[[str], bool] | None = None  # (None: none is)

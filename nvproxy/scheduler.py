@@ -228,21 +228,23 @@ class ReservationMap:
         round's loads at once, without a call per owner: a fleet's model can
         have hundreds of owners, and most of them carry nothing.
         """
-        named: set[str] = set(self._counts)
-        snap = self._snapshot
-        if snap is not None:
-            named.update(snap.pending)
-            named.update(snap.gpu_pressure)
-        return {node: self.load(node) for node in named if node in nodes}
+        return {node: self.load(node) for node in self._loaded() if node in nodes}
 
     def snapshot_of_loads(self) -> Mapping[str, float]:
         """Estimated load of every node known to the snapshot or reserved on."""
+        nodes = self._loaded()
+        if self._snapshot is not None:
+            nodes.update(self._snapshot.priority)
+        return MappingProxyType({n: self.load(n) for n in sorted(nodes)})
+
+    def _loaded(self) -> set[str]:
+        """The nodes that can have a load: reserved on, or given pending work
+        or GPU pressure by the scheduler's snapshot."""
         nodes: set[str] = set(self._counts)
         if self._snapshot is not None:
             nodes.update(self._snapshot.pending)
             nodes.update(self._snapshot.gpu_pressure)
-            nodes.update(self._snapshot.priority)
-        return MappingProxyType({n: self.load(n) for n in sorted(nodes)})
+        return nodes
 
     def _changed(self) -> None:
         if self.on_change is not None:
