@@ -13,11 +13,12 @@ share of it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from itertools import filterfalse, islice
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from nvproxy.discovery import NodeEntry
+from nvproxy.discovery import Lineup, NodeEntry
 from nvproxy.dispatch import FailureKind, JobOutcome, RejectReason
 from nvproxy.engines import Engine, RouteKind
 from nvproxy.inferstats import StatsMeter
@@ -175,6 +176,66 @@ class RequestAccounting:
                 draining, reserve=False, ranks=ranks
             )
         return self._order(list(entries), ranks=ranks)
+
+    def first(self, lineup: Lineup, limit: int) -> list[NodeEntry]:
+        """
+        The first C{limit} owners of C{lineup} in the order L{order} gives
+        them, taking the round's reservation as it does: a job dispatches to
+        at most C{dispatch.max_attempts} owners, so a round needs no more.
+
+        A fleet's model can have hundreds of owners, most of them alike.
+        When no eligible pin or scheduler-listed owner puts one first, the
+        round starts from the lineup's order and looks only at the owners
+        that can differ from it: those carrying a load, the ejected and
+        this node's own (its readiness is live), and as many others as it
+        lists.  Otherwise, and when every live owner is listed anyway, the
+        round is L{order}'s, cut.
+        """
+        shared, by_id = self._shared, lineup.by_id
+        pin = shared.pins.get(self._engine.id)
+        snapshot = shared.reservations.snapshot
+        readiness = self._readiness
+        listed = snapshot.priority if snapshot is not None else ()
+        if (
+            lineup.live <= limit
+            or readiness is None
+            or (pin is not None and pin in by_id)
+            or any(map(by_id.__contains__, listed))
+        ):
+            return self.order(lineup.entries, lineup.ranks)[:limit]
+        loads = shared.reservations.loads_among(by_id)
+        out = (
+            shared.outliers.ejected_among(self._engine.id, by_id)
+            if shared.outliers is not None
+            else frozenset()
+        )
+        ranks, position, model = lineup.ranks, lineup.position, self._model
+        aside = {*loads, *out, *lineup.local}
+        # Sorted by (readiness, load, position) as order_owners sorts, the
+        # ejected after the rest: every owner not set aside carries no load
+        # and comes in the lineup's order.
+        keys = [
+            (ranks[node], 0.0, position[node], node)
+            for node in islice(filterfalse(aside.__contains__, lineup.ranked), limit)
+        ]
+        ejected: list[tuple[tuple[int, float], float, int, str]] = []
+        for node in aside:
+            entry = by_id[node]
+            if entry.draining:
+                continue  # (they come after every live owner)
+            rank = ranks[node] if node in ranks else readiness(entry, model).rank
+            key = (rank, loads.get(node, 0.0), position[node], node)
+            (ejected if node in out else keys).append(key)
+        keys.sort()
+        if len(keys) < limit:
+            ejected.sort()
+            keys += ejected
+        # There are more live owners than the limit, so all the first are
+        # live, and the first of them is the pick that choose() makes.
+        ordered = [by_id[key[3]] for key in keys[:limit]]
+        if self._reservations is not None:
+            self._reservations.adopt(shared.reservations.reserve(ordered[0].node_id))
+        return ordered
 
     def _order(
         self,

@@ -104,6 +104,9 @@ class Snapshot:
     _ranks: dict[tuple[str, str | None], dict[str, tuple[int, float]]] = field(
         init=False, factory=dict, eq=False, repr=False
     )
+    _lineups: dict[tuple[str, str], Lineup] = field(
+        init=False, factory=dict, eq=False, repr=False
+    )
 
     def nodes(self, engine: str) -> tuple[NodeEntry, ...]:
         """
@@ -155,8 +158,80 @@ class Snapshot:
                 self._ranks[key] = found
         return found
 
+    def lineup(self, engine: str, model: str) -> Lineup:
+        """
+        C{model}'s owners for C{engine} as every request's round starts
+        from them (L{Lineup}), worked out once; empty when nobody
+        advertises C{model}, and then not kept.
+        """
+        key = (engine, model)
+        found = self._lineups.get(key)
+        if found is None:
+            entries = self.owners(engine, model)
+            if not entries:
+                return _NO_LINEUP
+            found = Lineup.of(entries, self.ranks(engine, model))
+            self._lineups[key] = found
+        return found
+
     def node(self, engine: str, node_id: str) -> NodeEntry | None:
         return self.engines.get(engine, {}).get(node_id)
+
+
+@frozen
+class Lineup:
+    """
+    One model's owners for one engine, as a snapshot has them: what a
+    round's order needs and does not change until the snapshot does, so
+    that a request in a fleet of hundreds of owners looks at as few of them
+    as it can dispatch to (L{nvproxy.accounting.RequestAccounting.first}).
+
+    @ivar entries: the owners in the deterministic default order
+        (L{Snapshot.owners}).
+    @ivar by_id: the same, by node id.
+    @ivar ranks: the readiness rank of each owner that is not this node
+        (L{Snapshot.ranks}).
+    @ivar position: each owner's place in C{entries}, the order's last
+        tie-break.
+    @ivar ranked: the owners that are neither this node nor draining,
+        ordered by (rank, position): the order of a round in which none of
+        them carries a load or is ejected.
+    @ivar local: this node's own owners that are not draining, whose
+        readiness is live.
+    @ivar live: how many owners are not draining.
+    """
+
+    entries: tuple[NodeEntry, ...]
+    by_id: Mapping[str, NodeEntry]
+    ranks: Mapping[str, tuple[int, float]]
+    position: Mapping[str, int]
+    ranked: tuple[str, ...]
+    local: tuple[str, ...]
+    live: int
+
+    @classmethod
+    def of(
+        cls, entries: Sequence[NodeEntry], ranks: Mapping[str, tuple[int, float]]
+    ) -> Lineup:
+        live = [entry for entry in entries if not entry.draining]
+        position = {entry.node_id: place for place, entry in enumerate(entries)}
+        ranked = sorted(
+            (ranks[entry.node_id], position[entry.node_id], entry.node_id)
+            for entry in live
+            if entry.node_id in ranks
+        )
+        return cls(
+            tuple(entries),
+            {entry.node_id: entry for entry in entries},
+            ranks,
+            position,
+            tuple(key[2] for key in ranked),
+            tuple(entry.node_id for entry in live if entry.node_id not in ranks),
+            len(live),
+        )
+
+
+_NO_LINEUP = Lineup((), {}, {}, {}, (), (), 0)
 
 
 def _node_order(entry: NodeEntry) -> tuple[int, str]:

@@ -280,7 +280,11 @@ Resolver = Callable[[], Sequence[Target]]
 """
 Ordered eligible owners from the live discovery snapshot (ordering and
 reservations are the caller's).  Called at admission, at every new round, and
-on every discovery change while an attempt is in flight.
+on every discovery change while an attempt is in flight.  It may list only
+the first C{max_attempts} owners, as the facades' does: a job never
+dispatches to more.  (Then a round whose owners all leave discovery while
+the job fails over ends there, and the job waits out a backoff and resolves
+a new one, where a round listing every owner would go on to the next.)
 """
 
 
@@ -1148,6 +1152,11 @@ class Dispatcher:
         self._stopped = True
         for machine in list(self._jobs.values()):
             machine.stop("shutdown")
+
+    @property
+    def policy(self) -> DispatchPolicy:
+        """What jobs dispatched now follow."""
+        return self._policy
 
     def set_policy(self, policy: DispatchPolicy) -> None:
         """Jobs dispatched from now on follow C{policy} (a reload)."""

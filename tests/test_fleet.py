@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from attrs import evolve
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from twisted.internet import reactor
@@ -30,6 +30,7 @@ from nvproxy.discovery import Endpoint, NodeEntry, Snapshot
 from nvproxy.drain import DrainState
 from nvproxy.engines import ENGINES, RouteKind
 from nvproxy.metrics import Metrics
+from nvproxy.outliers import OutlierTable
 from nvproxy.readiness import READINESS, ModelReadiness
 from nvproxy.scheduler import ReservationMap, SchedulerSnapshot, choose, order_owners
 from nvproxy.service import NvProxy
@@ -111,7 +112,9 @@ def _entry(node: str, kind: Any = "peer", draining: bool = False) -> NodeEntry:
     return NodeEntry(node, kind, {"M": endpoint}, (endpoint,), draining=draining)
 
 
-def _accounting(pins: dict[str, str] | None = None) -> Accounting:
+def _accounting(
+    pins: dict[str, str] | None = None, outliers: OutlierTable | None = None
+) -> Accounting:
     clock = Clock()
     return Accounting(
         clock,
@@ -119,6 +122,7 @@ def _accounting(pins: dict[str, str] | None = None) -> Accounting:
         WorkloadRecorder(clock, [], run_id="r", originated_from="a"),
         Metrics(CollectorRegistry()),
         pins or {},
+        outliers,
     )
 
 
@@ -181,6 +185,139 @@ class SnapshotRanksTests(SynchronousTestCase):
             orders.append([e.node_id for e in request.order(owners, ranks)])
             self.assertEqual(sorted(asked), ["a"] if ranks else ["a", "b", "c"])
         self.assertEqual(orders, [["c", "b", "a"], ["c", "b", "a"]])
+
+
+_LINEUP_NODES = tuple(f"n{i:02}" for i in range(14))
+_lineup_node = st.sampled_from(_LINEUP_NODES)
+
+
+class LineupTests(SynchronousTestCase):
+    """
+    A round cut to the first C{limit} owners of a snapshot's lineup
+    (L{RequestAccounting.first}) is the full order's head, with the same
+    reservation, whatever loads, ejections, readiness, drains, pins and
+    scheduler lists the fleet has.
+    """
+
+    @given(
+        owners=st.lists(_lineup_node, min_size=1, max_size=14, unique=True),
+        local=st.booleans(),
+        state=st.dictionaries(
+            _lineup_node,
+            st.sampled_from(
+                [
+                    ModelReadiness("awake", 0.0),
+                    ModelReadiness("waking", 2.0),
+                    ModelReadiness("sleeping", 5.0),
+                    ModelReadiness("sleeping", 30.0),
+                ]
+            ),
+        ),
+        live_state=st.sampled_from([None, "awake", "sleeping"]),
+        draining=st.sets(_lineup_node),
+        reserved=st.lists(_lineup_node, max_size=10),
+        pending=st.none() | st.dictionaries(_lineup_node, st.integers(0, 3)),
+        listed=st.lists(st.sampled_from((*_LINEUP_NODES, "x")), max_size=2),
+        pin=st.none() | st.sampled_from((*_LINEUP_NODES, "x")),
+        out=st.sets(_lineup_node),
+        limit=st.integers(1, 6),
+    )
+    @settings(deadline=None, max_examples=400)
+    def test_first_is_the_orders_head(
+        self,
+        owners: list[str],
+        local: bool,
+        state: dict[str, ModelReadiness],
+        live_state: str | None,
+        draining: set[str],
+        reserved: list[str],
+        pending: dict[str, int] | None,
+        listed: list[str],
+        pin: str | None,
+        out: set[str],
+        limit: int,
+    ) -> None:
+        entries = {
+            node: evolve(
+                _entry(node, "local" if local and i == 0 else "peer", node in draining),
+                readiness={"M": state[node]} if node in state else {},
+            )
+            for i, node in enumerate(owners)
+        }
+        snapshot = Snapshot(1, {"vllm": entries})
+
+        def readiness(entry: NodeEntry, model: str | None) -> ModelReadiness:
+            if entry.kind == "local" and live_state is not None:
+                return ModelReadiness(live_state, 0.0 if live_state == "awake" else 7.0)
+            return entry.readiness_of(model)
+
+        rounds = []
+        for cut in (True, False):
+            clock = Clock()
+            outliers = OutlierTable(clock)
+            for node in out:
+                outliers.transport_failed("vllm", node)
+            accounting = _accounting({"vllm": pin} if pin else None, outliers)
+            reservations = accounting.reservations
+            if pending is not None:
+                reservations.apply_snapshot(SchedulerSnapshot(1, listed, pending))
+            for node in reserved:
+                reservations.reserve(node)
+            request = accounting.begin(
+                ENGINES["vllm"], "M", RouteKind.INFERENCE, readiness=readiness
+            )
+            if cut:
+                ordered = request.first(snapshot.lineup("vllm", "M"), limit)
+            else:
+                ordered = request.order(
+                    snapshot.owners("vllm", "M"), snapshot.ranks("vllm", "M")
+                )[:limit]
+            counts = {node: reservations.reservations(node) for node in owners}
+            rounds.append(([entry.node_id for entry in ordered], counts))
+        self.assertEqual(rounds[0], rounds[1])
+
+    def test_looks_at_no_more_than_it_lists(self) -> None:
+        """
+        With no owner loaded or ejected, a round of a thousand owners makes
+        keys for only the first C{limit} of the lineup: the lineup's order is
+        worked out once per snapshot, not per request.
+        """
+        entries = {f"n{i:04}": _entry(f"n{i:04}") for i in range(1000)}
+        snapshot = Snapshot(1, {"vllm": entries})
+        lineup = snapshot.lineup("vllm", "M")
+        self.assertIs(snapshot.lineup("vllm", "M"), lineup)
+        looked: list[str] = []
+
+        class Ranks(dict[str, tuple[int, float]]):
+            def __getitem__(self, node: str) -> tuple[int, float]:
+                looked.append(node)
+                return super().__getitem__(node)
+
+        lineup = evolve(lineup, ranks=Ranks(lineup.ranks))
+        accounting = _accounting()
+        request = accounting.begin(
+            ENGINES["vllm"],
+            "M",
+            RouteKind.INFERENCE,
+            readiness=lambda entry, model: entry.readiness_of(model),
+        )
+        first = request.first(lineup, 5)
+        self.assertEqual([e.node_id for e in first], [f"n{i:04}" for i in range(5)])
+        self.assertEqual(looked, [f"n{i:04}" for i in range(5)])
+        self.assertEqual(accounting.reservations.reservations("n0000"), 1)
+        # the next round spreads: the first owner now carries a load
+        request = accounting.begin(
+            ENGINES["vllm"],
+            "M",
+            RouteKind.INFERENCE,
+            readiness=lambda entry, model: entry.readiness_of(model),
+        )
+        self.assertEqual(request.first(lineup, 2)[0].node_id, "n0001")
+
+    def test_unknown_model_not_kept(self) -> None:
+        snapshot = Snapshot(1, {"vllm": {"a": _entry("a")}})
+        self.assertEqual(snapshot.lineup("vllm", "nope").entries, ())
+        self.assertEqual(snapshot._lineups, {})
 
 
 class CtlTests(SynchronousTestCase):

@@ -36,7 +36,7 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET
 
 from nvproxy.accounting import Accounting, RequestAccounting
-from nvproxy.discovery import Discovery, Endpoint, InventoryClient, NodeEntry
+from nvproxy.discovery import Discovery, Endpoint, InventoryClient
 from nvproxy.dispatch import Attempt, Dispatcher, JobOutcome, RejectReason, Target
 from nvproxy.engines import RouteKind
 from nvproxy.jsonhttp import write_json
@@ -114,18 +114,21 @@ class _Candidates:
         facade, model = self._facade, self._model
         engine = facade.engine
         snapshot = facade._discovery.current
+        endpoints: Iterable[Endpoint]
         if model is not None:
-            entries: Sequence[NodeEntry] = snapshot.owners(engine.id, model)
-        else:
-            entries = snapshot.nodes(engine.id)
-        entries = self._accounting.order(entries, snapshot.ranks(engine.id, model))
-        others = len(entries) > 1
-        # (map, not a loop: a fleet's model can have hundreds of owners)
-        if model is not None:
-            endpoints: Iterable[Endpoint] = map(
-                itemgetter(model), map(_MODELS, entries)
+            # A job dispatches to at most max_attempts owners: a round of a
+            # fleet's hundreds lists no more than that.
+            lineup = snapshot.lineup(engine.id, model)
+            entries = self._accounting.first(
+                lineup, facade._dispatcher.policy.max_attempts
             )
+            others = len(lineup.entries) > 1
+            endpoints = map(itemgetter(model), map(_MODELS, entries))
         else:
+            entries = self._accounting.order(
+                snapshot.nodes(engine.id), snapshot.ranks(engine.id, None)
+            )
+            others = len(entries) > 1
             found = map(facade.backend.modelless_endpoint, entries)
             endpoints = [endpoint for endpoint in found if endpoint is not None]
         return list(map(_Owner, repeat(self), endpoints, repeat(others)))
