@@ -58,9 +58,24 @@ def _free_port() -> int:
         return port
 
 
-def _wait_listening(port: int, timeout: float) -> None:
+def _wait_listening(
+    port: int, timeout: float, process: subprocess.Popen[bytes], errors: Path
+) -> None:
+    """
+    Wait for C{port} to answer; fail at once, with the end of what
+    C{process} wrote to C{errors}, when it exits first (twistd without the
+    nvproxy plugin on its path, say) instead of waiting out C{timeout}.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process.poll() is not None:
+            said = errors.read_text(errors="replace").splitlines()
+            # (not valgrind's own lines, "==PID== ...")
+            tail = [line for line in said if line and not line.startswith("==")][-5:]
+            raise SystemExit(
+                f"the proxy exited with status {process.returncode} before"
+                f" answering on port {port}:\n" + "\n".join(tail)
+            )
         try:
             with urllib.request.urlopen(
                 f"http://127.0.0.1:{port}/api/tags", timeout=5
@@ -103,26 +118,28 @@ def measure(
         stdout=subprocess.DEVNULL,
     )
     out = work / f"{target}.callgrind"
+    errors = work / f"{target}.output"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     if tree:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(Path(tree).resolve()), env.get("PYTHONPATH")])
         )
-    proxy = subprocess.Popen(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            "--instr-atstart=no",
-            f"--callgrind-out-file={out}",
-            sys.executable,
-            *command,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with errors.open("wb") as output:  # (the child keeps its own copy)
+        proxy = subprocess.Popen(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                *command,
+            ],
+            env=env,
+            stdout=output,  # (twistd's usage errors go to stdout)
+            stderr=subprocess.STDOUT,
+        )
     try:
-        _wait_listening(port, 180)
+        _wait_listening(port, 180, proxy, errors)
         path, stream = ROUTES[route]
         body = json.dumps(
             {

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -396,6 +398,24 @@ class InstructionsTests(SynchronousTestCase):
         self.assertEqual(
             instructions.instructions_in(work, "nvproxy.callgrind"), 1234567
         )
+
+    def test_proxy_exiting_before_it_listens(self) -> None:
+        """
+        A proxy that exits before it answers (twistd without the plugin)
+        fails the wait at once with the end of its error output, instead of
+        the wait running out minutes later.
+        """
+        work = Path(self.mktemp())
+        work.mkdir()
+        errors = work / "nvproxy.output"
+        errors.write_text("start\nUsage: twistd [options]\nUnknown command: nvproxy\n")
+        process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+        process.wait()
+        with self.assertRaises(SystemExit) as raised:
+            instructions._wait_listening(1, 600, process, errors)
+        message = str(raised.exception.code)
+        self.assertIn("status 1", message)
+        self.assertIn("Unknown command: nvproxy", message)
 
     def test_without_valgrind(self) -> None:
         self.patch(instructions.shutil, "which", lambda name: None)
