@@ -12,7 +12,7 @@ share of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import filterfalse, islice
 
 from twisted.internet.interfaces import IReactorTime
@@ -218,8 +218,21 @@ class RequestAccounting:
             (ranks[node], 0.0, position[node], node)
             for node in islice(filterfalse(aside.__contains__, lineup.ranked), limit)
         ]
+        contenders: Iterable[str] = aside
+        if len(keys) == limit and keys[-1][0] == ranks[lineup.ranked[0]]:
+            # The round is full of unloaded owners that no other owner's
+            # record says is readier: one set aside comes before them only
+            # with no load (this node's own, or one the scheduler gives
+            # none) or a readier live rank (this node's own).  A loaded or
+            # ejected one comes after them all, however many are in flight.
+            contenders = lineup.local
+            if snapshot is not None:
+                contenders = {
+                    *contenders,
+                    *(n for n, load in loads.items() if not load),
+                }
         ejected: list[tuple[tuple[int, float], float, int, str]] = []
-        for node in aside:
+        for node in contenders:
             entry = by_id[node]
             if entry.draining:
                 continue  # (they come after every live owner)

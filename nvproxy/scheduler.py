@@ -228,6 +228,9 @@ class ReservationMap:
         round's loads at once, without a call per owner: a fleet's model can
         have hundreds of owners, and most of them carry nothing.
         """
+        if self._snapshot is None:
+            # (a load is the count alone: no call per loaded node)
+            return {node: n for node, n in self._counts.items() if node in nodes}
         return {node: self.load(node) for node in self._loaded() if node in nodes}
 
     def snapshot_of_loads(self) -> Mapping[str, float]:

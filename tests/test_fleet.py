@@ -278,9 +278,10 @@ class LineupTests(SynchronousTestCase):
 
     def test_looks_at_no_more_than_it_lists(self) -> None:
         """
-        With no owner loaded or ejected, a round of a thousand owners makes
-        keys for only the first C{limit} of the lineup: the lineup's order is
-        worked out once per snapshot, not per request.
+        A round of a thousand owners, three hundred of them carrying a load,
+        looks up the rank of only the owners it lists (and of the lineup's
+        first): the lineup's order is worked out once per snapshot, and the
+        loaded owners cannot come before unloaded ones as ready.
         """
         entries = {f"n{i:04}": _entry(f"n{i:04}") for i in range(1000)}
         snapshot = Snapshot(1, {"vllm": entries})
@@ -295,24 +296,24 @@ class LineupTests(SynchronousTestCase):
 
         lineup = evolve(lineup, ranks=Ranks(lineup.ranks))
         accounting = _accounting()
-        request = accounting.begin(
-            ENGINES["vllm"],
-            "M",
-            RouteKind.INFERENCE,
-            readiness=lambda entry, model: entry.readiness_of(model),
-        )
-        first = request.first(lineup, 5)
-        self.assertEqual([e.node_id for e in first], [f"n{i:04}" for i in range(5)])
-        self.assertEqual(looked, [f"n{i:04}" for i in range(5)])
-        self.assertEqual(accounting.reservations.reservations("n0000"), 1)
-        # the next round spreads: the first owner now carries a load
-        request = accounting.begin(
-            ENGINES["vllm"],
-            "M",
-            RouteKind.INFERENCE,
-            readiness=lambda entry, model: entry.readiness_of(model),
-        )
-        self.assertEqual(request.first(lineup, 2)[0].node_id, "n0001")
+        for i in range(300):
+            accounting.reservations.reserve(f"n{i:04}")
+
+        def first(limit: int) -> list[str]:
+            request = accounting.begin(
+                ENGINES["vllm"],
+                "M",
+                RouteKind.INFERENCE,
+                readiness=lambda entry, model: entry.readiness_of(model),
+            )
+            return [entry.node_id for entry in request.first(lineup, limit)]
+
+        listed = [f"n{i:04}" for i in range(300, 305)]
+        self.assertEqual(first(5), listed)
+        self.assertEqual(sorted(looked), ["n0000", *listed])
+        self.assertEqual(accounting.reservations.reservations("n0300"), 1)
+        # the next round spreads: that owner now carries a load
+        self.assertEqual(first(2), ["n0301", "n0302"])
 
     def test_unknown_model_not_kept(self) -> None:
         snapshot = Snapshot(1, {"vllm": {"a": _entry("a")}})
