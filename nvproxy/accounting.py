@@ -12,7 +12,7 @@ share of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from itertools import filterfalse, islice
 
 from twisted.internet.interfaces import IReactorTime
@@ -184,41 +184,47 @@ class RequestAccounting:
         at most C{dispatch.max_attempts} owners, so a round needs no more.
 
         A fleet's model can have hundreds of owners, most of them alike.
-        When no eligible pin or scheduler-listed owner puts one first, the
-        round starts from the lineup's order and looks only at the owners
-        that can differ from it: those carrying a load, the ejected and
-        this node's own (its readiness is live), and as many others as it
-        lists.  Otherwise, and when every live owner is listed anyway, the
-        round is L{order}'s, cut.
+        The round starts from the lineup's order and looks only at the
+        owners that can differ from it (the pin, the scheduler's list,
+        those carrying a load, the ejected and this node's own, whose
+        readiness is live) and at as many others as it lists.  When every
+        live owner fits in the round, it is L{order}'s.
         """
         shared, by_id = self._shared, lineup.by_id
-        pin = shared.pins.get(self._engine.id)
-        snapshot = shared.reservations.snapshot
         readiness = self._readiness
-        listed = snapshot.priority if snapshot is not None else ()
-        if (
-            lineup.live <= limit
-            or readiness is None
-            or (pin is not None and pin in by_id)
-            or any(map(by_id.__contains__, listed))
-        ):
+        if lineup.live <= limit or readiness is None:
             return self.order(lineup.entries, lineup.ranks)[:limit]
-        loads = shared.reservations.loads_among(by_id)
+        reservations = shared.reservations
+        pin = shared.pins.get(self._engine.id)
+        head: list[str] = []
+        if pin is not None and pin in by_id and not by_id[pin].draining:
+            head.append(pin)
+        snapshot = reservations.snapshot
+        listed: list[str] = []
+        if snapshot is not None and snapshot.priority:
+            listed = [
+                node
+                for node in dict.fromkeys(snapshot.priority)
+                if node in by_id and node != pin and not by_id[node].draining
+            ]
+        loads = reservations.loads_among(by_id)
         out = (
             shared.outliers.ejected_among(self._engine.id, by_id)
             if shared.outliers is not None
             else frozenset()
         )
         ranks, position, model = lineup.ranks, lineup.position, self._model
-        aside = {*loads, *out, *lineup.local}
-        # Sorted by (readiness, load, position) as order_owners sorts, the
-        # ejected after the rest: every owner not set aside carries no load
-        # and comes in the lineup's order.
+        special = {*loads, *out, *lineup.local}
+        apart = {*head, *listed}
+        aside = {*special, *apart} if apart else special
+        # The rest sorted by (readiness, load, position) as order_owners
+        # sorts them, the ejected after: every owner not set aside carries
+        # no load and comes in the lineup's order.
         keys = [
             (ranks[node], 0.0, position[node], node)
             for node in islice(filterfalse(aside.__contains__, lineup.ranked), limit)
         ]
-        contenders: Iterable[str] = aside
+        contenders: Iterable[str] = special
         if len(keys) == limit and keys[-1][0] == ranks[lineup.ranked[0]]:
             # The round is full of unloaded owners that no other owner's
             # record says is readier: one set aside comes before them only
@@ -231,24 +237,62 @@ class RequestAccounting:
                     *contenders,
                     *(n for n, load in loads.items() if not load),
                 }
-        ejected: list[tuple[tuple[int, float], float, int, str]] = []
+        late: list[tuple[tuple[int, float], float, int, str]] = []
         for node in contenders:
             entry = by_id[node]
-            if entry.draining:
-                continue  # (they come after every live owner)
+            if entry.draining or node in apart:
+                continue  # (placed apart)
             rank = ranks[node] if node in ranks else readiness(entry, model).rank
             key = (rank, loads.get(node, 0.0), position[node], node)
-            (ejected if node in out else keys).append(key)
+            (late if node in out else keys).append(key)
         keys.sort()
-        if len(keys) < limit:
-            ejected.sort()
-            keys += ejected
-        # There are more live owners than the limit, so all the first are
-        # live, and the first of them is the pick that choose() makes.
-        ordered = [by_id[key[3]] for key in keys[:limit]]
-        if self._reservations is not None:
-            self._reservations.adopt(shared.reservations.reserve(ordered[0].node_id))
-        return ordered
+        ordered = [key[3] for key in keys]
+        if listed:
+            # after the pin, the listed; the ejected of them after the rest
+            # (an ejected pin stays first)
+            ordered = [
+                *(node for node in listed if node not in out),
+                *ordered,
+                *(node for node in listed if node in out),
+            ]
+        ordered[:0] = head
+        if len(ordered) < limit:
+            late.sort()
+            ordered += [key[3] for key in late]
+        if self._reservations is not None and not head:
+            pick = self._pick(listed, out, loads, lineup, ordered)
+            if pick != ordered[0]:
+                ordered.remove(pick)
+                ordered.insert(0, pick)
+            self._reservations.adopt(reservations.reserve(pick))
+        # (more live owners than the limit: the first are all live)
+        return [by_id[node] for node in ordered[:limit]]
+
+    @staticmethod
+    def _pick(
+        listed: list[str],
+        out: Collection[str],
+        loads: Mapping[str, float],
+        lineup: Lineup,
+        ordered: list[str],
+    ) -> str:
+        """
+        The owner choose() reserves for a round of L{first}: the least
+        loaded scheduler-listed one (the first on ties) among those not
+        ejected, or among all when every live owner is ejected; without a
+        listed one, the round's first, which is the readiest and least
+        loaded of them.
+        """
+        if not listed:
+            return ordered[0]
+        every_out = sum(not lineup.by_id[node].draining for node in out) == lineup.live
+        pool = [node for node in listed if every_out or node not in out]
+        if not pool:
+            return ordered[0]
+        unloaded = next((node for node in pool if not loads.get(node)), None)
+        if unloaded is not None:
+            return unloaded
+        return min(pool, key=loads.__getitem__)
 
     def _order(
         self,

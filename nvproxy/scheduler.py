@@ -228,10 +228,18 @@ class ReservationMap:
         round's loads at once, without a call per owner: a fleet's model can
         have hundreds of owners, and most of them carry nothing.
         """
-        if self._snapshot is None:
-            # (a load is the count alone: no call per loaded node)
-            return {node: n for node, n in self._counts.items() if node in nodes}
-        return {node: self.load(node) for node in self._loaded() if node in nodes}
+        counts = self._counts
+        # A node the scheduler says nothing about carries its count alone
+        # (no call per reserved node: a burst reserves on many).
+        loads: dict[str, float] = {
+            node: count for node, count in counts.items() if node in nodes
+        }
+        snap = self._snapshot
+        if snap is not None:
+            for node in snap.pending.keys() | snap.gpu_pressure.keys():
+                if node in nodes:
+                    loads[node] = self.load(node)
+        return loads
 
     def snapshot_of_loads(self) -> Mapping[str, float]:
         """Estimated load of every node known to the snapshot or reserved on."""

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from attrs import evolve
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from twisted.internet import reactor
@@ -217,12 +217,40 @@ class LineupTests(SynchronousTestCase):
         draining=st.sets(_lineup_node),
         reserved=st.lists(_lineup_node, max_size=10),
         pending=st.none() | st.dictionaries(_lineup_node, st.integers(0, 3)),
-        listed=st.lists(st.sampled_from((*_LINEUP_NODES, "x")), max_size=2),
+        listed=st.lists(st.sampled_from((*_LINEUP_NODES, "x")), max_size=4),
         pin=st.none() | st.sampled_from((*_LINEUP_NODES, "x")),
         out=st.sets(_lineup_node),
         limit=st.integers(1, 6),
     )
-    @settings(deadline=None, max_examples=400)
+    @settings(deadline=None, max_examples=1000)
+    # the scheduler lists loaded owners: the least loaded listed is picked
+    @example(
+        owners=[f"n{i:02}" for i in range(7)],
+        local=False,
+        state={},
+        live_state=None,
+        draining=set(),
+        reserved=[],
+        pending={"n03": 3, "n04": 1, "n05": 2},
+        listed=["n03", "n04", "n05"],
+        pin=None,
+        out=set(),
+        limit=2,
+    )
+    # every owner ejected: the pick is still among the listed
+    @example(
+        owners=[f"n{i:02}" for i in range(7)],
+        local=False,
+        state={},
+        live_state=None,
+        draining=set(),
+        reserved=[],
+        pending={"n03": 2, "n05": 0},
+        listed=["n03", "n05"],
+        pin=None,
+        out={f"n{i:02}" for i in range(7)},
+        limit=3,
+    )
     def test_first_is_the_orders_head(
         self,
         owners: list[str],
