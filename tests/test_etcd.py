@@ -504,6 +504,29 @@ class TrustTests(SynchronousTestCase):
         state = peers.cluster_state(self.dirs["a"].load())
         self.assertIn(self.fp["c"], state.pins)
 
+    def test_merged_state_made_once_per_change(self) -> None:
+        """
+        Every request to or from a peer asks for the merged state: it is
+        the same object until the dir's state or etcd's peers change, so a
+        request does not rebuild a fleet's pins; after a change it says
+        what the change says.
+        """
+        peers = self.peers("etcd")
+        dir_state = self.dirs["a"].load()
+        peers.apply({"c": self.document("c")})
+        state = peers.cluster_state(dir_state)
+        self.assertIs(peers.cluster_state(dir_state), state)
+        self.assertEqual(state.peer_at("10.0.0.7", 8000), peers.peers["c"])
+        moved = dict(self.document("c"), address="10.0.0.8")
+        peers.apply({"c": moved})
+        after = peers.cluster_state(dir_state)
+        self.assertIsNot(after, state)
+        self.assertIsNone(after.peer_at("10.0.0.7", 8000))
+        self.assertEqual(after.peer_at("10.0.0.8", 8000), peers.peers["c"])
+        reloaded = self.dirs["a"].load()  # the dir watcher's new state
+        self.assertIsNot(peers.cluster_state(reloaded), after)
+        self.assertEqual(peers.cluster_state(reloaded), after)
+
     def test_malformed_and_wrong_node_ignored(self) -> None:
         peers = self.peers("pinned")
         wrong = dict(self.document("b"), node="c")

@@ -211,6 +211,7 @@ class ClusterState:
     # wins, as a search from the start would find it).
     _by_fingerprint: dict[Fingerprint, Peer] = field(init=False, eq=False, repr=False)
     _by_id: dict[str, Peer] = field(init=False, eq=False, repr=False)
+    _by_address: dict[str, list[Peer]] = field(init=False, eq=False, repr=False)
 
     @pins.default
     def _pins(self) -> frozenset[Fingerprint]:
@@ -223,6 +224,13 @@ class ClusterState:
     @_by_id.default
     def _index_ids(self) -> dict[str, Peer]:
         return {peer.id: peer for peer in reversed(self.peers)}
+
+    @_by_address.default
+    def _index_addresses(self) -> dict[str, list[Peer]]:
+        at: dict[str, list[Peer]] = {}
+        for peer in self.peers:
+            at.setdefault(peer.address, []).append(peer)
+        return at
 
     @property
     def member(self) -> bool:
@@ -243,7 +251,7 @@ class ClusterState:
             host = str(ipaddress.ip_address(host.strip("[]")))
         except ValueError:
             host = host.lower().rstrip(".")
-        at_host = [p for p in self.peers if p.address == host]
+        at_host = self._by_address.get(host, ())
         exact = [p for p in at_host if port in dict(p.ports).values()]
         if len(exact) == 1:
             return exact[0]
