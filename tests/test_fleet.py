@@ -191,6 +191,24 @@ _LINEUP_NODES = tuple(f"n{i:02}" for i in range(14))
 _lineup_node = st.sampled_from(_LINEUP_NODES)
 
 
+def _seven_owners(**changes: Any) -> dict[str, Any]:
+    """An example for L{LineupTests}: seven awake owners, nothing else."""
+    return {
+        "owners": [f"n{i:02}" for i in range(7)],
+        "local": False,
+        "state": {},
+        "live_state": None,
+        "draining": set(),
+        "reserved": [],
+        "pending": None,
+        "listed": [],
+        "pin": None,
+        "out": set(),
+        "limit": 2,
+        **changes,
+    }
+
+
 class LineupTests(SynchronousTestCase):
     """
     A round cut to the first C{limit} owners of a snapshot's lineup
@@ -225,31 +243,18 @@ class LineupTests(SynchronousTestCase):
     @settings(deadline=None, max_examples=1000)
     # the scheduler lists loaded owners: the least loaded listed is picked
     @example(
-        owners=[f"n{i:02}" for i in range(7)],
-        local=False,
-        state={},
-        live_state=None,
-        draining=set(),
-        reserved=[],
-        pending={"n03": 3, "n04": 1, "n05": 2},
-        listed=["n03", "n04", "n05"],
-        pin=None,
-        out=set(),
-        limit=2,
+        **_seven_owners(
+            pending={"n03": 3, "n04": 1, "n05": 2}, listed=["n03", "n04", "n05"]
+        )
     )
     # every owner ejected: the pick is still among the listed
     @example(
-        owners=[f"n{i:02}" for i in range(7)],
-        local=False,
-        state={},
-        live_state=None,
-        draining=set(),
-        reserved=[],
-        pending={"n03": 2, "n05": 0},
-        listed=["n03", "n05"],
-        pin=None,
-        out={f"n{i:02}" for i in range(7)},
-        limit=3,
+        **_seven_owners(
+            pending={"n03": 2, "n05": 0},
+            listed=["n03", "n05"],
+            out={f"n{i:02}" for i in range(7)},
+            limit=3,
+        )
     )
     def test_first_is_the_orders_head(
         self,
