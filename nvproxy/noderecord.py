@@ -474,6 +474,10 @@ class Fleet:
                     for m, r in engine_record.models.items()
                     if m in entry.models and r != AWAKE
                 }
+            if readiness == entry.readiness and record.draining == entry.draining:
+                # (the entry already says so: etcd's are made from the
+                # record, and an unchanged entry keeps a publish cheap)
+                return entry
             return evolve(entry, readiness=readiness, draining=record.draining)
         return entry
 

@@ -30,6 +30,7 @@ from nvproxy.etcd import (
 )
 from nvproxy.etcd._client import LineSplitter, parse_watch_message
 from nvproxy.etcd._session import Session, SessionSettings
+from nvproxy.readiness import ModelReadiness
 from nvproxy.testing.fakeetcd import FakeEtcd
 
 SETTINGS = SessionSettings(prefix="/nvproxy/", lease_ttl=9.0)
@@ -526,6 +527,52 @@ class TrustTests(SynchronousTestCase):
         reloaded = self.dirs["a"].load()  # the dir watcher's new state
         self.assertIsNot(peers.cluster_state(reloaded), after)
         self.assertEqual(peers.cluster_state(reloaded), after)
+
+    def test_unchanged_records_keep_what_they_made(self) -> None:
+        """
+        One node's record changing hands on every node's: what the others'
+        unchanged documents made (records, peers, entries) is kept, the
+        peers are the same mapping while none of them changes, and the
+        entries carry the readiness and draining their records give.
+        """
+        peers = self.peers("etcd")
+        documents = {"b": self.document("b"), "c": self.document("c")}
+        first = peers.apply(documents)
+        known, record_b = peers.peers, peers.records["b"]
+        sleeping = self.document("c")
+        sleeping["draining"] = True
+        sleeping["engines"]["vllm"]["models"]["m"] = {
+            "readiness": "sleeping",
+            "wake_estimate_s": 5.0,
+        }
+        second = peers.apply(dict(documents, c=sleeping))
+        self.assertIs(second["vllm"]["b"], first["vllm"]["b"])
+        self.assertIs(peers.records["b"], record_b)
+        changed = second["vllm"]["c"]
+        self.assertIsNot(changed, first["vllm"]["c"])
+        self.assertTrue(changed.draining)
+        self.assertEqual(changed.readiness_of("m"), ModelReadiness("sleeping", 5.0))
+        self.assertIs(peers.peers, known, "no peer moved")
+        moved = dict(sleeping, address="10.0.0.8")
+        peers.apply(dict(documents, c=moved))
+        self.assertIsNot(peers.peers, known)
+        self.assertEqual(peers.peers["c"].address, "10.0.0.8")
+        # equal documents that are new objects are read again, alike
+        again = peers.apply({node: dict(doc) for node, doc in documents.items()})
+        self.assertEqual(again, first)
+
+    def test_engines_changed_remakes(self) -> None:
+        """The same documents under other enabled engines (a reload) make
+        the entries again."""
+        from nvproxy.etcd import EtcdPeers
+
+        state = self.dirs["a"].load()
+        engines = ["vllm"]
+        peers = EtcdPeers("a", "etcd", lambda: state, lambda: engines)
+        documents = {"b": self.document("b")}
+        peers.apply(documents)
+        engines.remove("vllm")
+        self.assertEqual(peers.apply(documents), {})
 
     def test_malformed_and_wrong_node_ignored(self) -> None:
         peers = self.peers("pinned")

@@ -269,6 +269,9 @@ class FleetTests(SynchronousTestCase):
         self.assertEqual(fleet.annotate("vllm", direct), direct)
         records = fleet.records()
         self.assertEqual([r["node"] for r in records], ["a", "node-a"])
+        # an entry that already says what the record says is handed back
+        # as it is (a publish then compares it by identity)
+        self.assertIs(fleet.annotate("vllm", peer), peer)
 
     def test_readiness_gauge(self) -> None:
         discovery = Discovery()
