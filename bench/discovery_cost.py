@@ -12,11 +12,14 @@ fakes (no processes, a Clock), for fleets of several sizes.
 * etcd: N real L{Session}s on a L{FakeEtcd}; one node's record changes:
   the requests it costs (a put) and the watch events each node receives.
   Keep-alives cost every node one request per TTL/3 whatever changes.
+  And the CPU one node spends applying such a change (L{applied}): every
+  node receives it and takes it into its peers and discovery snapshot.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from typing import Any
@@ -25,8 +28,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
 from nvproxy.discovery import Discovery, Endpoint, InventoryClient, PollingDiscovery
-from nvproxy.etcd import Session, SessionSettings
-from nvproxy.noderecord import PeerRecords
+from nvproxy.etcd import EtcdPeers, Session, SessionSettings
+from nvproxy.noderecord import Fleet, LocalRecord, PeerRecords
+from nvproxy.readiness import AWAKE
 from nvproxy.testing.fakeetcd import FakeEtcd
 
 INTERVAL = 2.0
@@ -97,6 +101,7 @@ def etcd(nodes: int) -> dict[str, float]:
     sessions["n0"].record_changed()
     cpu = time.process_time() - started
     return {
+        "cpu_ms_per_node_per_change_applied": applied(nodes),
         "fleet_requests_per_change": sum(store.calls.values()) - calls,
         "events_per_node_per_change": (sum(store.delivered.values()) - delivered)
         / nodes,
@@ -104,6 +109,69 @@ def etcd(nodes: int) -> dict[str, float]:
         "keepalives_per_node_per_interval": INTERVAL / (TTL / 3),
         "seen_after_s": 0.0,
     }
+
+
+class _Member:
+    """The cluster state as C{trust = "etcd"} reads it: this node has an
+    identity (a real one needs a cluster dir and its certificate)."""
+
+    member = True
+
+    def peer(self, node: str) -> None:
+        return None
+
+
+def _document(i: int, generation: int, readiness: str) -> dict[str, Any]:
+    """Node C{n<i>}'s record as etcd holds it: one vLLM model."""
+    return {
+        "version": 1,
+        "node": f"n{i}",
+        "generation": generation,
+        "address": f"10.0.{i // 250}.{i % 250 + 1}",
+        "fingerprint": "sha256:" + hashlib.sha256(b"%d" % i).hexdigest(),
+        "engines": {
+            "vllm": {
+                "port": 8000,
+                "in_flight": 0,
+                "models": {"m": {"readiness": readiness, "wake_estimate_s": 5.0}},
+            }
+        },
+    }
+
+
+def applied(nodes: int, changes: int = 5) -> float:
+    """
+    The CPU (ms, median of C{changes}) one node spends taking a change of
+    one other node's record: the real L{EtcdPeers} (trust etcd), readiness
+    annotation and discovery, handed every record as the provider hands
+    them on (the same objects for the records that did not change).
+    """
+    member = _Member()
+    peers = EtcdPeers("n0", "etcd", lambda: member, lambda: ["vllm"])  # type: ignore[arg-type,return-value]
+    discovery = Discovery()
+    local = LocalRecord(
+        "n0",
+        discovery,
+        ports=lambda: {},
+        readiness=lambda engine, model: AWAKE,
+        in_flight=lambda engine: 0,
+        draining=lambda: False,
+    )
+    annotate = Fleet(local, peers).annotate
+    polling = PollingDiscovery(
+        discovery, _Counting(), Clock(), [], INTERVAL, annotate=annotate
+    )
+    documents = {f"n{i}": _document(i, 1, "awake") for i in range(1, nodes)}
+    polling.set_fed(peers.apply(documents))
+    times = []
+    for change in range(changes):
+        i = 1 + change % (nodes - 1)
+        documents = dict(documents)
+        documents[f"n{i}"] = _document(i, 2 + change, ("sleeping", "awake")[change % 2])
+        started = time.process_time()
+        polling.set_fed(peers.apply(documents))
+        times.append(time.process_time() - started)
+    return sorted(times)[len(times) // 2] * 1000
 
 
 def main() -> None:
@@ -120,6 +188,7 @@ def main() -> None:
     print(
         f"{'nodes':>6}  {'mesh req/node/interval':>22}  {'mesh fleet req/interval':>23}"
         f"  {'etcd req/change':>15}  {'etcd events/node/change':>23}"
+        f"  {'etcd ms/node/change':>19}"
     )
     for row in rows:
         m, e = row["mesh"], row["etcd"]
@@ -128,6 +197,7 @@ def main() -> None:
             f"  {m['fleet_requests_per_interval']:>23.0f}"
             f"  {e['fleet_requests_per_change']:>15.0f}"
             f"  {e['events_per_node_per_change']:>23.2f}"
+            f"  {e['cpu_ms_per_node_per_change_applied']:>19.2f}"
         )
 
 

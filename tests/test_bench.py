@@ -16,7 +16,7 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
-from bench import instructions, native, procs, refs, report, run
+from bench import discovery_cost, instructions, native, procs, refs, report, run
 from bench.load import Samples, Workload, _Body
 from nvproxy.testing.harness import Client
 
@@ -383,6 +383,20 @@ class ReportTests(SynchronousTestCase):
         rows = [_row("direct", "paced", delay_p50=math.nan)]
         labels = [f.label for f in report.figures(rows)]
         self.assertNotIn("paced c=32: chunk delay p50", labels)
+
+
+class DiscoveryCostTests(SynchronousTestCase):
+    def test_figures_of_a_small_fleet(self) -> None:
+        """
+        Ten nodes: the mesh asks 2 (N - 1) questions per node per interval;
+        an etcd change is one put and one event per node, and applying it
+        takes a node some CPU.
+        """
+        self.assertEqual(discovery_cost.mesh(10)["requests_per_node_per_interval"], 18)
+        etcd = discovery_cost.etcd(10)
+        self.assertEqual(etcd["fleet_requests_per_change"], 1)
+        self.assertEqual(etcd["events_per_node_per_change"], 1.0)
+        self.assertGreater(etcd["cpu_ms_per_node_per_change_applied"], 0)
 
 
 class InstructionsTests(SynchronousTestCase):
