@@ -74,10 +74,9 @@ class BurstTests(MemoryProxyTestCase):
 class FleetTests(MemoryProxyTestCase):
     def test_targets_made_only_for_dispatches(self) -> None:
         """
-        A model with forty owners: the round lists them all, but what
-        dispatching to one takes is made only for the nodes dispatched to
-        (a job makes at most C{dispatch.max_attempts} dispatches), and the
-        request fails over as before.
+        A model with forty owners: what dispatching to one takes is made
+        only for the nodes dispatched to, and the request fails over as
+        before.
         """
         engine = self.engine("ollama", ["m:latest"])
         engine.script(Behaviour(status=503))
@@ -101,6 +100,36 @@ class FleetTests(MemoryProxyTestCase):
         self.assertEqual(code, 200)
         self.assertEqual(len(_inference(engine)), 2)
         self.assertEqual(made, ["local", "gpu-00"])
+
+    def test_round_lists_what_a_job_can_dispatch_to(self) -> None:
+        """
+        A model with forty owners: each round lists only as many of them
+        as a job can dispatch to (C{dispatch.max_attempts}), and a job
+        whose owners all fail still makes that many attempts.
+        """
+        engine = self.engine("ollama", ["m:latest"])
+        engine.default = Behaviour(status=503)
+        proxy = self.proxy(
+            {"ollama": engine.url},
+            nodes={f"gpu-{i:02d}": {"ollama": engine.url} for i in range(39)},
+            max_attempts=3,
+        )
+        rounds: list[list[str]] = []
+        original = facade._Candidates.resolve
+
+        def listing(candidates: Any) -> Any:
+            found = original(candidates)
+            rounds.append([target.node_id for target in found])
+            return found
+
+        self.patch(facade._Candidates, "resolve", listing)
+        code, _, _ = self.post(
+            facade_url(proxy, "ollama") + "/api/generate",
+            {"model": "m", "stream": False},
+        )
+        self.assertEqual(code, 503)
+        self.assertEqual(len(_inference(engine)), 3)
+        self.assertEqual(rounds, [["local", "gpu-00", "gpu-01"]])
 
 
 class ClaimTests(MemoryProxyTestCase):
