@@ -243,19 +243,12 @@ class ReservationMap:
 
     def snapshot_of_loads(self) -> Mapping[str, float]:
         """Estimated load of every node known to the snapshot or reserved on."""
-        nodes = self._loaded()
-        if self._snapshot is not None:
-            nodes.update(self._snapshot.priority)
-        return MappingProxyType({n: self.load(n) for n in sorted(nodes)})
-
-    def _loaded(self) -> set[str]:
-        """The nodes that can have a load: reserved on, or given pending work
-        or GPU pressure by the scheduler's snapshot."""
         nodes: set[str] = set(self._counts)
         if self._snapshot is not None:
             nodes.update(self._snapshot.pending)
             nodes.update(self._snapshot.gpu_pressure)
-        return nodes
+            nodes.update(self._snapshot.priority)
+        return MappingProxyType({n: self.load(n) for n in sorted(nodes)})
 
     def _changed(self) -> None:
         if self.on_change is not None:

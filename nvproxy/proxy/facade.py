@@ -158,9 +158,8 @@ _MODELS = attrgetter("models")
 class _Owner:
     """
     One owner in a round, as L{nvproxy.dispatch.Target}: what dispatching to
-    it takes is made only when it is dispatched to.  A round lists every
-    owner (a fleet's model may have hundreds), a job dispatches to at most
-    C{dispatch.max_attempts} of them.
+    it takes is made only when it is dispatched to.  A round lists up to
+    C{dispatch.max_attempts} owners, and most jobs dispatch to the first.
     """
 
     __slots__ = ("_candidates", "_endpoint", "_others", "node_id")
