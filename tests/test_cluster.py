@@ -204,13 +204,20 @@ class PeerTests(SynchronousTestCase):
         a = Peer("a", "10.0.0.1", fake_fingerprint(1), {"ollama": 11435})
         b = Peer("b", "10.0.0.1", fake_fingerprint(2), {"ollama": 11436})
         c = Peer("c", "host.example", fake_fingerprint(3))
-        state = ClusterState(None, (a, b, c))
+        d = Peer("d", "fd00::1", fake_fingerprint(4))
+        state = ClusterState(None, (a, b, c, d))
         self.assertEqual(state.peer_at("10.0.0.1", 11435), a)
         self.assertEqual(state.peer_at("10.0.0.1", 11436), b)
         self.assertIsNone(state.peer_at("10.0.0.1", 8000))  # ambiguous
         self.assertEqual(state.peer_at("HOST.example", 8000), c)
+        self.assertEqual(state.peer_at("host.example.", 8000), c)
         self.assertIsNone(state.peer_at("10.0.0.9", 11435))
-        self.assertEqual(state.pins, frozenset(fake_fingerprint(n) for n in (1, 2, 3)))
+        # an IPv6 address however the URL spells it
+        self.assertEqual(state.peer_at("[fd00:0::1]", 8000), d)
+        self.assertEqual(state.peer_at("FD00::0:1", 8000), d)
+        self.assertEqual(
+            state.pins, frozenset(fake_fingerprint(n) for n in (1, 2, 3, 4))
+        )
 
     def test_peer_by_id_and_fingerprint(self) -> None:
         """

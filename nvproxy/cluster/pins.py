@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping
+from functools import lru_cache
 
 from attrs import field, frozen
 from cryptography import x509
@@ -112,6 +113,19 @@ def validate_node_id(text: str) -> str:
             "(use a DNS name: letters, digits, '-' and '.', not an IP address)"
         )
     return node_id
+
+
+@lru_cache(maxsize=1024)
+def _dialed_host(host: str) -> str:
+    """
+    A host as a URL names it, in the form peer addresses are kept in: asked
+    for on every request forwarded to a peer, of the few hosts a fleet has
+    (the parse of an IP address was most of what finding the peer cost).
+    """
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return host.lower().rstrip(".")
 
 
 def _validate_address(text: str) -> str:
@@ -247,11 +261,7 @@ class ClusterState:
         The peer dialed at C{host}:C{port}: the one with that address and port, or
         else the only peer at that address.
         """
-        try:
-            host = str(ipaddress.ip_address(host.strip("[]")))
-        except ValueError:
-            host = host.lower().rstrip(".")
-        at_host = self._by_address.get(host, ())
+        at_host = self._by_address.get(_dialed_host(host), ())
         exact = [p for p in at_host if port in dict(p.ports).values()]
         if len(exact) == 1:
             return exact[0]
