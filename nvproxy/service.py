@@ -31,7 +31,7 @@ from nvproxy.accounting import Accounting
 from nvproxy.admin import admin_app, admin_resource
 from nvproxy.brokerdiscovery import BrokerDiscovery
 from nvproxy.cluster import (
-    ClientTLS,
+    ClientTLSCache,
     ClusterDir,
     ClusterError,
     ClusterState,
@@ -141,6 +141,7 @@ class NvProxy(MultiService):
         self._etcd_tls: (
             Callable[[str, int], IOpenSSLClientConnectionCreator | None] | None
         ) = None
+        self._peer_creators = ClientTLSCache()
         self.server_tls: ServerTLS | None = None
         if cluster is not None:
             cluster.setServiceParent(self)  # type: ignore[no-untyped-call]
@@ -578,12 +579,7 @@ class NvProxy(MultiService):
             return None
         state = self._cluster_state()
         peer = state.peer_at(host, port)
-        if peer is None or state.identity is None:
-            return None
-        creator: IOpenSSLClientConnectionCreator = ClientTLS.for_peer(
-            state.identity, peer
-        )
-        return creator
+        return None if peer is None else self._peer_creators.creator(state, peer)
 
     def _peer_of(self, request: Any) -> str | None:
         """

@@ -49,6 +49,7 @@ from zope.interface.verify import verifyObject
 
 from nvproxy.cluster import (
     ClientTLS,
+    ClientTLSCache,
     ClusterDir,
     ClusterError,
     ClusterState,
@@ -658,6 +659,51 @@ class ServerTLSUnitTests(SynchronousTestCase):
         self.assertIs(server.serverConnectionForTLS(None).get_context(), first)
         current[0] = b
         self.assertIsNot(server.serverConnectionForTLS(None).get_context(), first)
+
+    def test_client_creators_kept_per_peer(self) -> None:
+        """
+        Dialing the same peer as the same identity reuses its creator, and so
+        its SSL context; a changed pin or identity gets a new one; the cache
+        starts again once it outgrows the cluster.
+        """
+        a, b = make_dir(self, "node-a").load(), make_dir(self, "node-b").load()
+        assert a.identity is not None and b.identity is not None
+        peer = Peer("node-c", "10.0.0.3", fake_fingerprint(3))
+        state = ClusterState(a.identity, (peer,))
+        cache = ClientTLSCache()
+        first = cache.creator(state, peer)
+        assert first is not None
+        self.assertIs(cache.creator(state, peer), first)
+        self.assertEqual(
+            (first.identity, first.node_id, first.fingerprint),
+            (a.identity, "node-c", peer.fingerprint),
+        )
+        repinned = Peer("node-c", "10.0.0.3", fake_fingerprint(4))
+        other = cache.creator(ClusterState(a.identity, (repinned,)), repinned)
+        assert other is not None
+        self.assertIsNot(other, first)
+        self.assertEqual(other.fingerprint, repinned.fingerprint)
+        as_b = cache.creator(ClusterState(b.identity, (peer,)), peer)
+        self.assertIsNot(as_b, first)
+        self.assertIsNone(cache.creator(ClusterState(None, (peer,)), peer))
+        for n in range(30):
+            moved = Peer("node-c", f"10.0.1.{n}", fake_fingerprint(3))
+            cache.creator(ClusterState(a.identity, (moved,)), moved)
+        self.assertIsNot(cache.creator(state, peer), first)
+
+    def test_policy_reuses_creators(self) -> None:
+        """The Agent policy hands out one creator per pinned peer."""
+        a = make_dir(self, "node-a").load()
+        assert a.identity is not None
+        peer = Peer("node-c", "10.0.0.3", fake_fingerprint(3), {"ollama": 8443})
+        state = ClusterState(a.identity, (peer,))
+        policy = PeerPolicyForHTTPS(lambda: state, FixedPolicy(NoCertificateClient()))
+        first = policy.creatorForNetloc(b"10.0.0.3", 8443)
+        self.assertIsInstance(first, ClientTLS)
+        self.assertIs(policy.creatorForNetloc(b"10.0.0.3", 8443), first)
+        self.assertIsInstance(
+            policy.creatorForNetloc(b"10.0.0.9", 8443), NoCertificateClient
+        )
 
     def test_peer_fingerprint_plaintext(self) -> None:
         self.assertIsNone(peer_fingerprint(StringTransport()))

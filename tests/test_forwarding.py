@@ -704,6 +704,34 @@ class DialTests(TestCase):
         self.assertIs(again, first)
         self.assertIsNot(other, first)
 
+    def test_tls_endpoint_kept_while_creator_is(self) -> None:
+        """
+        An https endpoint is kept while the creator for its host and port is
+        the same object (a peer's, kept per pin), and made again when the
+        creator changes; a host without one gets web PKI verification, its
+        options made once (else its endpoint would be made every time).
+        """
+        from twisted.internet.ssl import optionsForClientTLS
+        from twisted.web.client import URI
+
+        from nvproxy.proxy.upstream import EndpointFactory
+
+        creators = {("10.0.0.3", 8443): optionsForClientTLS("node-c")}
+        factory = EndpointFactory(
+            reactor, 7.0, lambda host, port: creators.get((host, port))
+        )
+
+        def endpoint(url: bytes) -> Any:
+            return factory.endpointForURI(URI.fromBytes(url))
+
+        first = endpoint(b"https://10.0.0.3:8443/a")
+        self.assertIs(endpoint(b"https://10.0.0.3:8443/b"), first)
+        creators["10.0.0.3", 8443] = optionsForClientTLS("node-c")
+        self.assertIsNot(endpoint(b"https://10.0.0.3:8443/a"), first)
+        public = endpoint(b"https://example.com/a")
+        self.assertIs(endpoint(b"https://example.com/b"), public)
+        self.assertIsNot(endpoint(b"https://example.com:8443/a"), public)
+
     async def test_refused_is_refused(self) -> None:
         """
         A closed loopback port fails as a refused connection.

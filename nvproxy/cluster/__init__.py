@@ -26,6 +26,7 @@ from nvproxy.cluster.pins import (
 from nvproxy.cluster.store import DEFAULT_CLUSTER_DIR, ClusterDir, ClusterWatcher
 from nvproxy.cluster.tls import (
     ClientTLS,
+    ClientTLSCache,
     PeerPolicyForHTTPS,
     PeerVerificationError,
     ServerTLS,
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_CLUSTER_DIR",
     "ENGINE_IDS",
     "ClientTLS",
+    "ClientTLSCache",
     "ClusterDir",
     "ClusterError",
     "ClusterState",

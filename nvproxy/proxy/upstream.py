@@ -252,6 +252,12 @@ def release_body(content: IO[bytes], producer: IBodyProducer | None) -> None:
         content.close()
 
 
+_KEPT = 4096
+"""How many https endpoints and web PKI creators L{EndpointFactory} keeps
+before it starts again (a fleet's worth; an address that changes often
+must not grow them without bound)."""
+
+
 @implementer(IAgentEndpointFactory)
 class EndpointFactory:
     """
@@ -274,6 +280,11 @@ class EndpointFactory:
         self._timeout = dial_timeout if dial_timeout > 0 else 30.0
         self._tls_for = tls_for
         self._plain: dict[tuple[str, int], IStreamClientEndpoint] = {}
+        self._tls: dict[
+            tuple[str, int],
+            tuple[IOpenSSLClientConnectionCreator, IStreamClientEndpoint],
+        ] = {}
+        self._web_pki: dict[str, IOpenSSLClientConnectionCreator] = {}
 
     def endpointForURI(self, uri: Any) -> IStreamClientEndpoint:
         host = uri.host.decode("ascii")
@@ -285,12 +296,24 @@ class EndpointFactory:
             if cached is None:
                 cached = self._plain[host, port] = self._tcp(host, port)
             return cached
-        # https: the creator may change with the cluster's pins, so the
-        # endpoint is built for each new connection.
+        # https: the creator may change with the cluster's pins, so it is
+        # asked for each time; the endpoint is kept while it is the same
+        # (a peer's creator, and so its SSL context, is kept per pin).
         creator = self._tls_for(host, port) if self._tls_for else None
         if creator is None:
-            creator = optionsForClientTLS(host)
-        return wrapClientTLS(creator, self._tcp(host, port))
+            creator = self._web_pki.get(host)
+            if creator is None:
+                if len(self._web_pki) >= _KEPT:
+                    self._web_pki.clear()
+                creator = self._web_pki[host] = optionsForClientTLS(host)
+        kept = self._tls.get((host, port))
+        if kept is not None and kept[0] is creator:
+            return kept[1]
+        if len(self._tls) >= _KEPT:
+            self._tls.clear()
+        endpoint = wrapClientTLS(creator, self._tcp(host, port))
+        self._tls[host, port] = (creator, endpoint)
+        return endpoint
 
     def _tcp(self, host: str, port: int) -> IStreamClientEndpoint:
         """
