@@ -136,6 +136,24 @@ class EquivalenceTests(SynchronousTestCase):
             inner + b"xyzzz" * 3,
         )
 
+    def test_chunks_after_the_last_one_are_not_the_body(self) -> None:
+        """
+        What follows the last chunk, however much it looks like chunks, is
+        the rest (Twisted's too), not the body: a size of 0 found by the
+        split sends the read to the exact loop.
+        """
+        from nvproxy.proxy.chunked import _whole_chunks
+
+        plain = b"".join(b"%x\r\n%s\r\n" % (len(t), t) for t in [b"xy", b"zzz"] * 3)
+        after = b"3\r\nabc\r\n2\r\nzz\r\n"
+        framed = plain + b"0\r\n\r\n" + after
+        pieces: list[bytes] = []
+        self.assertEqual(_whole_chunks(framed, pieces), 0)
+        self.assertEqual(pieces, [])
+        ours = _run(CoalescingChunkedDecoder, [framed])
+        self.assertEqual(ours[:3], (b"xyzzz" * 3, after, ""))
+        self.assertEqual(ours[:3], _run(_ChunkedTransferDecoder, [framed])[:3])
+
     def test_sizes_outside_the_table(self) -> None:
         """Upper-case and large sizes are read with C{int}, still at once."""
         from nvproxy.proxy.chunked import _whole_chunks

@@ -50,6 +50,13 @@ _SIZES = {b"%x" % size: size for size in range(1, 1024)}
 """The sizes of token-sized chunks as engines write them (lower-case hex, no
 leading zero): one lookup each, a third of C{int(size, 16)}; any other size
 line makes the read's sizes go through C{int}."""
+_HEX = [b""] + [b"%x" % size for size in range(1, 1024)]
+"""The same sizes by length, to check a read's sizes against its chunks'
+lengths without hashing a size line each (a size line is never empty, so
+a chunk of length 0, the body's end, never matches)."""
+_hex_of = _HEX.__getitem__
+"""(A list's, a C method called directly; a tuple's is a slot wrapper,
+slower per call.)"""
 
 
 def _whole_chunks(buf: bytes, pieces: list[bytes]) -> int:
@@ -78,11 +85,14 @@ def _whole_chunks(buf: bytes, pieces: list[bytes]) -> int:
     if len(head) - first.end() != int(first[1], 16):
         return 0
     bodies, sizes = parts[2:-1:2], parts[1:-2:2]
-    lengths = list(map(len, bodies))
-    if lengths != list(map(_SIZES.get, sizes)) and (
-        lengths != list(map(int, sizes, repeat(16))) or 0 in lengths
-    ):
-        return 0
+    try:
+        same = sizes == list(map(_hex_of, map(len, bodies)))
+    except IndexError:  # a chunk of 1,024 bytes or more
+        same = False
+    if not same:
+        lengths = list(map(len, bodies))
+        if lengths != list(map(int, sizes, repeat(16))) or 0 in lengths:
+            return 0
     pieces.append(head[first.end() :])
     pieces.extend(bodies)
     return len(buf) - len(parts[-1]) - len(parts[-2]) - 2
