@@ -50,7 +50,7 @@ _SIZES = {b"%x" % size: size for size in range(1, 1024)}
 """The sizes of token-sized chunks as engines write them (lower-case hex, no
 leading zero): one lookup each, a third of C{int(size, 16)}; any other size
 line makes the read's sizes go through C{int}."""
-_HEX = [b""] + [b"%x" % size for size in range(1, 1024)]
+_HEX = [b"", *_SIZES]
 """The same sizes by length, to check a read's sizes against its chunks'
 lengths without hashing a size line each (a size line is never empty, so
 a chunk of length 0, the body's end, never matches)."""
