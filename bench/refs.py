@@ -46,6 +46,20 @@ async def start_agent_floor(
     return await _start_module(reactor, workdir, name, "bench.agentfloor", upstream)
 
 
+async def start_lean_floor(
+    reactor: Any, workdir: Path, name: str, upstream: str
+) -> tuple[procs.Proc, str]:
+    """Start L{bench.leanfloor} in front of C{upstream} (C{http://HOST:PORT})."""
+    return await _start_module(reactor, workdir, name, "bench.leanfloor", upstream)
+
+
+async def start_facade_floor(
+    reactor: Any, workdir: Path, name: str, upstream: str
+) -> tuple[procs.Proc, str]:
+    """Start L{bench.facadefloor} in front of C{upstream} (C{http://HOST:PORT})."""
+    return await _start_module(reactor, workdir, name, "bench.facadefloor", upstream)
+
+
 async def _start_module(
     reactor: Any, workdir: Path, name: str, module: str, upstream: str
 ) -> tuple[procs.Proc, str]:

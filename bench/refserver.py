@@ -1,7 +1,9 @@
 """
-What the Python reference proxies (L{bench.rpr}, L{bench.agentfloor}) share:
-their command line, a site without an access log, and listening on a port
-that is printed once bound (C{listening on HOST:PORT}) for the bench to read.
+What the Python reference proxies (L{bench.rpr}, L{bench.agentfloor},
+L{bench.leanfloor}, L{bench.facadefloor}) share: their command line, and
+listening on a port that is printed once bound (C{listening on HOST:PORT})
+for the bench to read; and a site without an access log for those built on
+twisted.web's C{Site}.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class QuietSite(Site):
 def run(
     prog: str,
     description: str,
-    site_for: Callable[[Any, str], Site],
+    site_for: Callable[[Any, str], ServerFactory[Any]],
     backlog: int = 50,
     argv: Sequence[str] | None = None,
 ) -> None:
@@ -50,7 +52,7 @@ def run(
         def start() -> None:
             try:
                 listening = cast(IReactorTCP, reactor).listenTCP(
-                    args.port, cast(ServerFactory, site), backlog, interface=args.host
+                    args.port, site, backlog, interface=args.host
                 )
             except Exception:
                 done.errback()

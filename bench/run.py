@@ -355,11 +355,15 @@ async def _stop_all(ctx: Context, running: Sequence[procs.Proc]) -> None:
 
 
 AGENT = "agent"
+LEAN = "lean"
+FACADE = "facade"
 LABELS = {
     DIRECT: "direct",
     RPR: "Twisted RPR",
     NGINX: "nginx",
     AGENT: "Agent floor",
+    LEAN: "lean floor",
+    FACADE: "facade floor",
     NVPROXY: "nvproxy",
 }
 
@@ -414,8 +418,9 @@ async def _with_references(
     With C{one_request_each}, every connection sends one request per round;
     C{requests_per_round} ends a round at a concurrency after that many
     requests in all.
-    With C{floor}, the bare Agent proxy (L{bench.agentfloor}) is measured
-    too, and nginx is not.
+    With C{floor}, the bare Agent proxy (L{bench.agentfloor}), the same
+    behind a minimal server (L{bench.leanfloor}) and on nvproxy's server
+    classes (L{bench.facadefloor}) are measured too, and nginx is not.
     """
     running: list[procs.Proc] = []
     result = Result()
@@ -440,6 +445,16 @@ async def _with_references(
             )
             running.append(agent)
             paths.append(Path_(AGENT, agent_url, proxied=True, target=agent))
+            lean, lean_url = await refs.start_lean_floor(
+                ctx.reactor, ctx.workdir, f"{scenario}-lean", engine_url
+            )
+            running.append(lean)
+            paths.append(Path_(LEAN, lean_url, proxied=True, target=lean))
+            facade, facade_url = await refs.start_facade_floor(
+                ctx.reactor, ctx.workdir, f"{scenario}-facade", engine_url
+            )
+            running.append(facade)
+            paths.append(Path_(FACADE, facade_url, proxied=True, target=facade))
         else:
             nginx = await refs.start_nginx(
                 ctx.reactor, ctx.workdir, f"{scenario}-nginx", engine_url
@@ -622,7 +637,12 @@ def fleet_notes(rows: Sequence[Row]) -> list[str]:
 
 
 def floor_notes(rows: Sequence[Row]) -> list[str]:
-    """nvproxy's proxy CPU per request against the Agent floor's and RPR's."""
+    """
+    nvproxy's proxy CPU per request against the Agent floor's and RPR's;
+    what twisted.web's server side costs the floor (Agent floor minus lean
+    floor) and nvproxy's (facade floor minus lean floor), and nvproxy's
+    work beyond its server side (nvproxy minus facade floor).
+    """
     cpu = {
         (r.scenario, r.concurrency, r.path): r.proxy_cpu_per_request
         for r in rows
@@ -642,6 +662,21 @@ def floor_notes(rows: Sequence[Row]) -> list[str]:
         rpr = cpu.get((scenario, c, RPR))
         if rpr is not None:
             text += f"; Agent floor/RPR {floor / rpr:.2f}, nvproxy/RPR {ours / rpr:.2f}"
+        lean = cpu.get((scenario, c, LEAN))
+        if lean is not None:
+            text += (
+                f"; lean floor {lean * 1e6:.0f} us (twisted.web's server side"
+                f" {(floor - lean) * 1e6:.0f} us), nvproxy/lean {ours / lean:.2f}"
+            )
+            facade = cpu.get((scenario, c, FACADE))
+            if facade is not None:
+                text += (
+                    f"; facade floor {facade * 1e6:.0f} us (nvproxy's server side"
+                    f" {(facade - lean) * 1e6:.0f} us"
+                )
+                if ours >= facade:
+                    text += f", its work beyond it {(ours - facade) * 1e6:.0f} us"
+                text += ")"
         notes.append(text)
     return notes
 

@@ -156,6 +156,17 @@ class NativeProgramTests(TestCase):
         """
         await self._through(refs.start_agent_floor)
 
+    async def test_through_lean_floor(self) -> None:
+        """
+        The Agent floor behind a minimal server: answers relayed in chunks
+        as they come, requests on one connection one after the other.
+        """
+        await self._through(refs.start_lean_floor)
+
+    async def test_through_facade_floor(self) -> None:
+        """The Agent floor on nvproxy's server classes in front of the engine."""
+        await self._through(refs.start_facade_floor)
+
     async def test_through_nginx(self) -> None:
         """nginx with the generated config in front of the engine."""
         await self._through(refs.start_nginx)
@@ -207,13 +218,19 @@ class ReportTests(SynchronousTestCase):
     def test_floor_notes(self) -> None:
         """
         The floor scenario's note puts nvproxy's CPU per request against
-        the bare Agent proxy's and RPR's of the same comparison; the floor
-        rows stay out of the summary figures.
+        the bare Agent proxy's and RPR's of the same comparison, and splits
+        it with the lean and facade floors (no work "beyond" a floor that
+        costs more than nvproxy); the floor rows stay out of the summary
+        figures.
         """
         rows = [
             _row("direct", scenario="floor-chat"),
             _row("rpr", scenario="floor-chat", proxy_cpu_per_request=0.0008),
             _row("agent", scenario="floor-chat", proxy_cpu_per_request=0.0006),
+            _row("lean", scenario="floor-chat", proxy_cpu_per_request=0.0004),
+            _row("facade", scenario="floor-chat", proxy_cpu_per_request=0.0005),
+            _row("lean", scenario="floor-stream", proxy_cpu_per_request=0.002),
+            _row("facade", scenario="floor-stream", proxy_cpu_per_request=0.0025),
             _row("nvproxy", scenario="floor-chat", proxy_cpu_per_request=0.0009),
             _row("nvproxy", scenario="floor-sse", proxy_cpu_per_request=0.001),
             _row("agent", scenario="floor-stream", proxy_cpu_per_request=0.003),
@@ -224,10 +241,14 @@ class ReportTests(SynchronousTestCase):
             [
                 "floor-chat c=32: nvproxy 900 us/request = 1.50x the Agent floor"
                 " (600 us); nvproxy's own work 300 us; Agent floor/RPR 0.75,"
-                " nvproxy/RPR 1.12",
+                " nvproxy/RPR 1.12; lean floor 400 us (twisted.web's server"
+                " side 200 us), nvproxy/lean 2.25; facade floor 500 us"
+                " (nvproxy's server side 100 us, its work beyond it 400 us)",
                 # below the floor: no "own work" to speak of
                 "floor-stream c=32: nvproxy 1500 us/request = 0.50x the Agent"
-                " floor (3000 us)",
+                " floor (3000 us); lean floor 2000 us (twisted.web's server"
+                " side 1000 us), nvproxy/lean 0.75; facade floor 2500 us"
+                " (nvproxy's server side 500 us)",
             ],
         )
         self.assertEqual(report.figures(rows), [])
