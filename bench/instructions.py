@@ -1,6 +1,8 @@
 """
 Instructions per request, counted by callgrind: nvproxy, Twisted's RPR and
-the bare Agent floor in front of the same compiled engine.
+the bare Agent floor in front of the same compiled engine (and, with
+C{--only lean} or C{--only facade}, the lean and facade floors of the
+C{floor} scenario).
 
 CPU time on a shared machine moves 10-20 % from run to run, which hides a
 change of a few per cent.  The number of instructions a proxy process runs
@@ -42,7 +44,15 @@ from pathlib import Path
 from bench import native
 from bench.procs import _toml_config
 
-TARGETS = ("nvproxy", "rpr", "agent")
+TARGETS = ("nvproxy", "rpr", "agent", "lean", "facade")
+DEFAULT_TARGETS = TARGETS[:3]
+"""Without C{--only}: nvproxy, RPR and the Agent floor."""
+_MODULES = {
+    "rpr": "bench.rpr",
+    "agent": "bench.agentfloor",
+    "lean": "bench.leanfloor",
+    "facade": "bench.facadefloor",
+}
 ROUTES = {
     "chat": ("/api/chat", False),
     "stream": ("/api/chat", True),
@@ -97,7 +107,7 @@ def _command(target: str, work: Path, port: int, upstream: int) -> list[str]:
         if twistd is None:
             raise SystemExit("twistd is not on the PATH: install the project first")
         return [twistd, "-n", "--pidfile=", "nvproxy", "--config", str(config)]
-    module = "bench.rpr" if target == "rpr" else "bench.agentfloor"
+    module = _MODULES[target]
     return ["-m", module, "--port", str(port), "--upstream", f"127.0.0.1:{upstream}"]
 
 
@@ -231,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             work = stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="nvproxy-instr-")
             )
-        for target in args.only or TARGETS:
+        for target in args.only or DEFAULT_TARGETS:
             served, total = measure(
                 target,
                 args.route,
@@ -250,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" ({served} requests)",
                 flush=True,
             )
-    for reference in ("rpr", "agent"):
+    for reference in ("rpr", "agent", "lean", "facade"):
         if "nvproxy" in results and reference in results:
             print(
                 f"nvproxy/{reference}: {results['nvproxy'] / results[reference]:.2f}x"

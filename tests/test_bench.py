@@ -452,6 +452,24 @@ class InstructionsTests(SynchronousTestCase):
         self.assertIn("status 1", message)
         self.assertIn("Unknown command: nvproxy", message)
 
+    def test_reference_commands(self) -> None:
+        """
+        Each reference target runs its own module in front of the engine;
+        without C{--only} the floors of the floor scenario are left out.
+        """
+        work = Path(self.mktemp())
+        for target, module in [
+            ("rpr", "bench.rpr"),
+            ("agent", "bench.agentfloor"),
+            ("lean", "bench.leanfloor"),
+            ("facade", "bench.facadefloor"),
+        ]:
+            self.assertEqual(
+                instructions._command(target, work, 8001, 9001),
+                ["-m", module, "--port", "8001", "--upstream", "127.0.0.1:9001"],
+            )
+        self.assertEqual(instructions.DEFAULT_TARGETS, ("nvproxy", "rpr", "agent"))
+
     def test_without_valgrind(self) -> None:
         self.patch(instructions.shutil, "which", lambda name: None)
         self.assertEqual(instructions.main([]), 2)
