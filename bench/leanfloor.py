@@ -26,8 +26,13 @@ from typing import Any
 
 from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool
-from twisted.web.http import RESPONSES
+from twisted.web.client import (
+    Agent,
+    FileBodyProducer,
+    HTTPConnectionPool,
+    ResponseDone,
+)
+from twisted.web.http import RESPONSES, PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
@@ -65,7 +70,11 @@ class _Relay(Protocol):
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self._front.answered(b"0\r\n\r\n")
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self._front.answered(b"0\r\n\r\n")
+        else:
+            # Cut short: no last chunk, so the client sees it was.
+            self._front.abandon()
 
 
 class LeanChannel(Protocol):
@@ -143,6 +152,11 @@ class LeanChannel(Protocol):
         self._busy = False
         if self._buffer:
             self._next()
+
+    def abandon(self) -> None:
+        """The answer was cut short after its head: close the connection."""
+        if self.transport is not None:
+            self.transport.loseConnection()
 
     def _close(self, status: int) -> None:
         if self.transport is not None:
