@@ -37,25 +37,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
 from bench.refserver import run
+from nvproxy.proxy.upstream import HOP_BY_HOP
 
 # Hop-by-hop headers, and what each side sets itself (as the Agent floor).
-_DROP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"content-length",
-        b"host",
-        b"date",
-        b"server",
-    }
-)
+_DROP = HOP_BY_HOP | {b"content-length", b"host", b"date", b"server"}
 
 
 class _Relay(Protocol):
