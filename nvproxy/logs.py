@@ -200,7 +200,13 @@ class Logger(twisted.logger.Logger):
 
     def debug(self, format: str | None = None, **kwargs: object) -> None:
         if _debug_shown:
-            self.emit(LogLevel.debug, format, **kwargs)
+            self._emit_event(LogLevel.debug, format, kwargs)
+
+    def info(self, format: str | None = None, **kwargs: object) -> None:
+        # Twisted's passes **kwargs on to emit, which packs them into a dict
+        # again: the event is the dict of this call (an access line's twelve
+        # fields, once per request).
+        self._emit_event(LogLevel.info, format, kwargs)
 
     def emit(
         self, level: LogLevel, format: str | None = None, **kwargs: object
@@ -212,7 +218,12 @@ class Logger(twisted.logger.Logger):
         if level not in _LOG_LEVELS:
             super().emit(level, format, **kwargs)  # Twisted's own complaint
             return
-        event = kwargs
+        self._emit_event(level, format, kwargs)
+
+    def _emit_event(
+        self, level: LogLevel, format: str | None, event: dict[str, object]
+    ) -> None:
+        """C{emit} with the event's fields in C{event}, which it completes."""
         event.update(
             log_logger=self,
             log_level=level,

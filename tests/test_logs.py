@@ -371,15 +371,27 @@ class TextLineTests(SynchronousTestCase):
 
     def test_emit_same_event_as_twisted(self) -> None:
         """
-        L{logs.Logger.emit} makes the event Twisted's makes, and an invalid
-        level still gets Twisted's complaint.
+        L{logs.Logger} makes the event Twisted's makes at each level (its
+        C{info} and C{debug} complete the call's own dict of fields), and an
+        invalid level still gets Twisted's complaint.
         """
         import twisted.logger
 
+        self.addCleanup(set_level, current_level())
+        set_level("debug")
         ours: list[dict[str, object]] = []
         theirs: list[dict[str, object]] = []
-        logs.Logger(namespace="n", observer=ours.append).warn("x {a}", a=1)
-        twisted.logger.Logger(namespace="n", observer=theirs.append).warn("x {a}", a=1)
+        for level in ("debug", "info", "warn", "error"):
+            for made, Made in ((ours, logs.Logger), (theirs, twisted.logger.Logger)):
+                log = Made(namespace="n", observer=made.append)
+                getattr(log, level)("x {a} {b}", a=1, b=level)
+        self.assertEqual(
+            [(event["log_level"], event["b"]) for event in ours],
+            [
+                (getattr(LogLevel, level), level)
+                for level in ("debug", "info", "warn", "error")
+            ],
+        )
         for event in ours + theirs:
             self.assertIsInstance(event.pop("log_time"), float)
             event.pop("log_logger")
