@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvproxy.inferstats import HEAD_BYTES, Dialect, Stats, StatsMeter
+from nvproxy.inferstats import HEAD_BYTES, Dialect, Stats, StatsMeter, _loads
 from nvproxy.testing import _fakedialects as dialects
 
 
@@ -734,3 +734,48 @@ class LastReportTests(SynchronousTestCase):
         self.assertEqual(
             inferstats._tally(win, last_done=False), evolve(tally, last_done=False)
         )
+
+
+class LoadsTests(SynchronousTestCase):
+    """The meter decodes a record as C{json.loads} would, UTF-8 or not."""
+
+    def test_same_as_json_loads(self) -> None:
+        """
+        Plain UTF-8 JSON takes the short way; a byte order mark, UTF-16 or
+        UTF-32, bytes that are not UTF-8 and what is not JSON come out as
+        C{json.loads} makes them (C{None} where it raises).
+        """
+        record = {"done": True, "eval_count": 5, "content": "\u00e9\u4e2d"}
+        cases = [
+            json.dumps(record).encode(),
+            b"  " + json.dumps(record).encode() + b"\n",
+            b"\xef\xbb\xbf" + json.dumps(record).encode(),
+            json.dumps(record).encode("utf-16"),
+            json.dumps(record).encode("utf-32-le"),
+            b'{"a": "\xff"}',
+            b'{"a": "\\ud800"}',
+            b"not json",
+            b"{} {}",
+            b"",
+        ]
+        for data in cases:
+            try:
+                expected = json.loads(data)
+            except ValueError:
+                expected = None
+            self.assertEqual(_loads(data), expected, data)
+        self.assertEqual(_loads(json.dumps(record).encode("utf-16")), record)
+
+    @given(
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(),
+            lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+            max_leaves=8,
+        ),
+        st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-32"]),
+    )
+    @settings(max_examples=200, deadline=None)
+    def test_any_document(self, value: object, encoding: str) -> None:
+        """Any JSON document in any encoding C{json.loads} reads."""
+        data = json.dumps(value).encode(encoding)
+        self.assertEqual(_loads(data), json.loads(data))
