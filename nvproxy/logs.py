@@ -313,9 +313,12 @@ class _LevelFiltered:
         self._observer = observer
 
     def __call__(self, event: LogEvent) -> None:
-        if event.get("log_level") not in _shown or not event.get("log_namespace"):
+        namespace = event.get("log_namespace")
+        if event.get("log_level") not in _shown or not namespace:
             return
-        if _quiet_ports(event) is PredicateResult.no:
+        # (the port chatter is Twisted's legacy log: nvproxy's events skip
+        # the predicate's call)
+        if namespace == "log_legacy" and _quiet_ports(event) is PredicateResult.no:
             return
         trace = event.get("log_trace")
         if trace is not None:

@@ -77,6 +77,10 @@ class UpstreamRequest:
 
 
 class _State(Enum):
+    # Members are singletons: identity hashes them in C, where Enum's
+    # __hash__ is a Python call (two per claim, three claims a request).
+    __hash__ = object.__hash__
+
     WAITING_HEADERS = auto()
     GATED = auto()
     COMMITTED = auto()
