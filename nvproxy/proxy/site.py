@@ -296,8 +296,9 @@ class _GuardedChannel(HTTPChannel):
     def lineReceived(self, line: bytes) -> None:
         if self._refused:
             return
-        self._arm_deadline()
-        limits = self.site.limits
+        if self._head_bytes == _NO_HEAD:  # a head's first line arms the deadline
+            self._arm_deadline()
+        limits = self.site._limits  # per line: the attribute, not the property
         if _bare_cr_lf(line):
             self._refuse(400, "bare CR or LF in the request head")
             return
