@@ -55,7 +55,8 @@ class _Relay(Protocol):
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        if reason.check(ResponseDone, PotentialDataLoss):
+        # (not Failure.check, which names each class it is given, per call)
+        if isinstance(reason.value, ResponseDone | PotentialDataLoss):
             self._front.answered(b"0\r\n\r\n")
         else:
             # Cut short: no last chunk, so the client sees it was.
