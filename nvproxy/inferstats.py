@@ -34,6 +34,7 @@ recognised from the first :data:`HEAD_BYTES` of the body, kept for that.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -656,14 +657,22 @@ def _loads(data: bytes) -> object:
     """
     C{json.loads(data)}, or C{None} when it fails.  An engine's JSON is
     UTF-8, decoded here as such: C{json.loads} of bytes first works out
-    their encoding (UTF-8, -16 or -32, a byte order mark) in Python, which
-    is a third of its time for a short record.  What is not plain UTF-8
-    JSON is left to C{json.loads}, so the result is always its.
+    their encoding in Python (C{json.detect_encoding}), which is a third of
+    its time for a short record.  Bytes it would not read as UTF-8 (a byte
+    order mark, a NUL in the first two: UTF-16 or -32) and bytes that are
+    not strict UTF-8 (it allows encoded surrogates) go to C{json.loads}, so
+    the result is always its, and a record that is not JSON is parsed once.
     """
-    try:
-        return _DECODER.decode(data.decode())
-    except ValueError:  # (UnicodeDecodeError is one)
-        pass
+    if not data.startswith(codecs.BOM_UTF8) and b"\x00" not in data[:2]:
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            pass
+        else:
+            try:
+                return _DECODER.decode(text)
+            except ValueError:
+                return None
     try:
         return json.loads(data)
     except ValueError:

@@ -754,6 +754,9 @@ class LoadsTests(SynchronousTestCase):
             json.dumps(record).encode("utf-32-le"),
             b'{"a": "\xff"}',
             b'{"a": "\\ud800"}',
+            b'{"a": "\xed\xa0\x80"}',
+            b"\x00{",
+            b"[]\x00",
             b"not json",
             b"{} {}",
             b"",
@@ -772,7 +775,9 @@ class LoadsTests(SynchronousTestCase):
             lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
             max_leaves=8,
         ),
-        st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-32"]),
+        st.sampled_from(
+            ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32", "utf-32-be"]
+        ),
     )
     @settings(max_examples=200, deadline=None)
     def test_any_document(self, value: object, encoding: str) -> None:
