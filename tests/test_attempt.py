@@ -84,6 +84,8 @@ class FakeClientRequest:
     The parts of a twisted.web request the client side uses.
     """
 
+    method = b"POST"
+
     def __init__(self) -> None:
         self.channel = _Channel(self)
         self.aborted = False
@@ -227,6 +229,41 @@ class AttemptTests(_AttemptCase):
         self.assertTrue(self.client_request.finished)
         self.assertIsNone(self.client_request.producer)
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def committed_with(
+        self, length: int | None, code: int = 200, method: bytes = b"POST"
+    ) -> FakeClientRequest:
+        """The client's request after an answer of C{length} committed."""
+        self.client_request.method = method
+        self.client_request.responseHeaders.setRawHeaders(b"content-length", [b"9"])
+        self.start()
+        r = response(code)
+        if length is not None:
+            r.length = length
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b"body")
+        return self.client_request
+
+    def test_answer_keeps_its_length(self) -> None:
+        """
+        The upstream's C{Content-Length} (Twisted's client keeps it out of
+        the response's headers) is the client's answer's, over any the
+        facade set; without one, or for a HEAD request or a status without
+        a body, the answer has none.
+        """
+        lengths = [
+            self.committed_with(4).responseHeaders.getRawHeaders(b"content-length")
+        ]
+        for length, code, method in [
+            (None, 200, b"POST"),
+            (0, 200, b"HEAD"),
+            (0, 304, b"GET"),
+            (0, 204, b"POST"),
+        ]:
+            self.setUp()
+            request = self.committed_with(length, code, method)
+            lengths.append(request.responseHeaders.getRawHeaders(b"content-length"))
+        self.assertEqual(lengths, [[b"4"], None, None, None, None])
 
     def sent(self, index: int = 0) -> bytes:
         """What the body producer of attempt C{index} writes."""
@@ -556,6 +593,24 @@ class HonestEndingTests(_AttemptCase):
         self.assertFalse(self.client_request.finished)
         self.clock.advance(CUT_GRACE)
         self.assertTrue(self.client_request.aborted)
+
+    def test_cut_answer_of_declared_length_gets_no_frame(self) -> None:
+        """
+        A stream that declared its length is cut without an error frame:
+        the client would read the frame's bytes as the rest of the body.
+        """
+        attempt = self.start()
+        r = response(200, {b"content-type": [b"application/x-ndjson"]})
+        r.length = 100
+        self.agent.pending[0].callback(r)
+        r._bodyDataReceived(b'{"a": 1}\n')
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        r._bodyDataFinished(_CUT)
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.TRUNCATED)
+        self.assertEqual(self.client_request.written, [b'{"a": 1}\n'])
+        self.assertTrue(self.client_request.closed_cleanly)
+        self.assertFalse(self.client_request.finished)
 
     def test_error_frame_after_a_partial_line(self) -> None:
         self.assertEqual(

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import ResponseDone
@@ -219,6 +220,47 @@ class ForwardingTests(ProxyTestCase):
         answer = json.loads(body)
         self.assertEqual(answer["object"], "chat.completion")
         self.assertIn("usage", answer)
+
+    async def raw(self, url: str, body: object) -> bytes:
+        """POST C{body} to C{url} over a plain socket: the answer's bytes."""
+        host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
+        data = json.dumps(body).encode()
+        chunks: list[bytes] = []
+        done: Deferred[None] = Deferred()
+        collect = _Collect(chunks, done)
+        collect.connectionLost = lambda reason=None: done.callback(None)  # type: ignore[method-assign]
+        endpoint = TCP4ClientEndpoint(reactor, host, int(port))
+        protocol = await connectProtocol(endpoint, collect)
+        protocol.transport.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Connection: close\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(data), data)
+        )
+        await done
+        return b"".join(chunks)
+
+    async def test_answers_framed_as_the_engine_framed_them(self) -> None:
+        """
+        An engine's answer with a C{Content-Length} reaches the client with
+        that length (Twisted's client parser keeps the header to itself), a
+        streamed one chunked.
+        """
+        fake = await self.engine("openai", ["qwen"])
+        proxy = await self.proxy({"lmstudio": fake.url})
+        url = facade_url(proxy, "lmstudio")
+        plain = await self.raw(url, {"model": "qwen", "messages": []})
+        head, _, body = plain.partition(b"\r\n\r\n")
+        lines = head.lower().split(b"\r\n")
+        self.assertIn(b"content-length: %d" % len(body), lines)
+        self.assertNotIn(b"transfer-encoding: chunked", lines)
+        self.assertEqual(json.loads(body)["object"], "chat.completion")
+        fake.default = Behaviour(chunks=3)
+        streamed = await self.raw(url, {"model": "qwen", "stream": True})
+        head, _, body = streamed.partition(b"\r\n\r\n")
+        lines = head.lower().split(b"\r\n")
+        self.assertIn(b"transfer-encoding: chunked", lines)
+        self.assertFalse(any(line.startswith(b"content-length") for line in lines))
+        self.assertTrue(body.endswith(b"\r\n0\r\n\r\n"))
 
     async def test_openai_streaming_sse(self) -> None:
         fake = await self.engine("openai", ["qwen"])

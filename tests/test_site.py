@@ -1281,6 +1281,7 @@ class _FakeRequest:
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
+        self.responseHeaders = Headers()
 
     def notifyFinish(self) -> Deferred[None]:
         return Deferred()

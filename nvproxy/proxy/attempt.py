@@ -301,7 +301,9 @@ class HttpAttempt:
         # The timer is left to _first_bytes (the stream's silence) or _end.
         response = self._response
         assert response is not None
-        self._client.start(response.code, response.phrase, response.headers)
+        self._client.start(
+            response.code, response.phrase, response.headers, response.length
+        )
         release_body(self._content, self._producer)
         self._content = self._producer = None
         self.result.callback(Committed(self.node_id, response.code, self._done))

@@ -14,16 +14,17 @@ from typing import Any
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
+from twisted.web.http import NO_BODY_CODES
 from twisted.web.http_headers import Headers
 
 from nvproxy.jsonhttp import write_json
-from nvproxy.proxy.headers import CONTENT_TYPE, DATE, SERVER
+from nvproxy.proxy.headers import CONTENT_LENGTH, CONTENT_TYPE, DATE, SERVER
 from nvproxy.proxy.requestid import HEADER_KEY, request_id
 from nvproxy.proxy.site import when_lost
 from nvproxy.proxy.upstream import end_to_end
 
 # What the facade set and the upstream's answer replaces.
-_REPLACED = (SERVER, DATE, CONTENT_TYPE)
+_REPLACED = (SERVER, DATE, CONTENT_TYPE, CONTENT_LENGTH)
 
 
 class ClientSide:
@@ -58,7 +59,16 @@ class ClientSide:
         if closed is not None and not closed.called:
             closed.callback(None)
 
-    def start(self, status: int, phrase: bytes, headers: Headers) -> None:
+    def start(
+        self, status: int, phrase: bytes, headers: Headers, length: object = None
+    ) -> None:
+        """
+        Start the answer: the upstream's status and end-to-end headers,
+        and its C{Content-Length} when C{length} (the response's) is one.
+        Twisted's client takes that header out of the response's headers;
+        without it the answer went to the client chunked, and now it goes
+        framed as the engine framed it.
+        """
         request = self.request
         request.setResponseCode(status, phrase or None)
         out = request.responseHeaders
@@ -66,6 +76,12 @@ class ClientSide:
         for key in _REPLACED:
             table.pop(key, None)
         end_to_end(headers, into=out)
+        if (
+            type(length) is int
+            and status not in NO_BODY_CODES
+            and request.method != b"HEAD"
+        ):
+            table[CONTENT_LENGTH] = [b"%d" % length]
         rid = request_id(request)
         if rid is not None:
             # Ours, whatever the upstream answered with.
@@ -98,14 +114,17 @@ class ClientSide:
         so: C{frame} (the stream dialect's error event, if there is one) is
         written, then the connection is closed without the rest of the body
         (no last chunk, or fewer bytes than the Content-Length), so the
-        client's HTTP layer sees the body cut too.  What was already relayed
-        is flushed first; a client that does not take it within
-        L{CUT_GRACE} seconds is reset.
+        client's HTTP layer sees the body cut too.  An answer that declared
+        its length gets no frame: its bytes would be read as the body's rest.
+        What was already relayed is flushed first; a client that does not
+        take it within L{CUT_GRACE} seconds is reset.
         """
         if self.gone or self.request.finished:
             return
         self.aborted = True
-        if frame is not None:
+        if frame is not None and not self.request.responseHeaders.hasHeader(
+            b"content-length"
+        ):
             self.request.write(frame)
         channel = getattr(self.request, "channel", None)
         flush = getattr(channel, "flush", None)

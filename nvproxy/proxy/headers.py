@@ -21,6 +21,7 @@ from twisted.web.http_headers import Headers
 
 __all__ = [
     "CONNECTION",
+    "CONTENT_LENGTH",
     "CONTENT_TYPE",
     "DATE",
     "HOST",
@@ -48,8 +49,16 @@ def canonical(name: bytes) -> bytes:
 
 
 # The names the data path reads or sets on every request, as keys.
-CONNECTION, CONTENT_TYPE, DATE, HOST, SERVER = map(
-    canonical, (b"connection", b"content-type", b"date", b"host", b"server")
+CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, DATE, HOST, SERVER = map(
+    canonical,
+    (
+        b"connection",
+        b"content-length",
+        b"content-type",
+        b"date",
+        b"host",
+        b"server",
+    ),
 )
 
 
