@@ -1117,8 +1117,7 @@ class CorkTests(TestCase):
         request.notifyFinish().addCallback(lambda _: seen.append(list(sent)))
 
         def read(data: bytes) -> None:
-            request.setHeader(b"content-length", b"%d" % len(data))
-            request.write(data)
+            request.write(data)  # chunked: whole at its end
             self.assertEqual(sent, [])
             request.finish()
             self.assertEqual(len(sent), 1)
@@ -1129,8 +1128,59 @@ class CorkTests(TestCase):
         self.assertEqual(len(seen), 1)
         ((answer,),) = seen
         self.assertTrue(answer.startswith(b"HTTP/1.1 200 OK\r\n"))
-        self.assertTrue(answer.endswith(b"\r\n\r\nanswer"))
+        self.assertTrue(answer.endswith(b"\r\n\r\n6\r\nanswer\r\n0\r\n\r\n"))
         self.assertEqual(sent[1:], [b"later"])
+
+    async def answering(self) -> tuple[FacadeRequest, list[bytes]]:
+        """A request on a facade channel, and what its socket is handed."""
+        channel, reader = await self.connection()
+        sent = self.sends(channel.transport)
+        request = FacadeRequest(channel)
+        request.method, request.clientproto, request.uri = b"GET", b"HTTP/1.1", b"/"
+        channel.requests.append(request)
+        return request, sent
+
+    async def test_whole_answer_leaves_at_its_last_byte(self) -> None:
+        """
+        An answer with a C{Content-Length} is sent, head and body in one
+        piece, when its last byte is written: before it is finished (what
+        the end of the upstream's body sets off), not at the end of the read.
+        """
+        request, sent = await self.answering()
+
+        def read(data: bytes) -> None:
+            request.setHeader(b"content-length", b"%d" % (2 * len(data)))
+            request.write(data)
+            self.assertEqual(sent, [])  # half of it: held
+            request.write(data)
+            self.assertEqual(len(sent), 1)
+            request.finish()
+            self.assertEqual(len(sent), 1)
+
+        CORK.during(read, b"half")
+        self.assertTrue(sent[0].startswith(b"HTTP/1.1 200 OK\r\n"))
+        self.assertTrue(sent[0].endswith(b"\r\n\r\nhalfhalf"))
+        self.assertEqual(len(sent), 1)
+
+    async def test_other_answers_wait_for_their_end(self) -> None:
+        """
+        A chunked answer, or one whose C{Content-Length} is not one number,
+        is not sent at a write: it is whole only once it is finished.
+        """
+        for length in (None, [b"4", b"4"], [b"+4"], [b"4 "]):
+            request, sent = await self.answering()
+            if length is not None:
+                request.responseHeaders.setRawHeaders(b"content-length", length)
+
+            def read(
+                data: bytes, request: FacadeRequest = request, sent: list[bytes] = sent
+            ) -> None:
+                request.write(data)
+                self.assertEqual(sent, [])
+
+            CORK.during(read, b"four")
+            self.assertEqual(len(sent), 1, length)
+            self.assertIn(b"four", sent[0])
 
     async def test_refusal_and_continue_behind_what_is_held(self) -> None:
         """

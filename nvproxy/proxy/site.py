@@ -58,7 +58,7 @@ from nvproxy.jsonhttp import json_bytes
 from nvproxy.logs import Logger, batched
 from nvproxy.proxy.accesslog import AccessLine, emit
 from nvproxy.proxy.cork import CORK, send_now
-from nvproxy.proxy.headers import CONTENT_TYPE, DATE, SERVER
+from nvproxy.proxy.headers import CONTENT_LENGTH, CONTENT_TYPE, DATE, SERVER
 
 log = Logger()
 
@@ -718,6 +718,15 @@ class FacadeRequest(Request):
         if self._first_byte_at is None and self._received_at is not None:
             self._first_byte_at = self._access_to.reactor.seconds()
         Request.write(self, data)
+        if CORK.active and not (self.chunked or self._disconnected):
+            # The last byte of a Content-Length answer: it is whole, and goes
+            # now (with its head, in one send), not at the answer's end, so
+            # the client does not wait for the end of the upstream's body to
+            # be handled (the attempt's end, finish's cleanup).
+            length = self.responseHeaders._rawHeaders.get(CONTENT_LENGTH)
+            if length is not None and _is_whole(length, self.sentLength):
+                channel: _GuardedChannel = self.channel  # type: ignore[assignment]
+                channel.flush()
         if (
             self.chunked
             and self.startedWriting
@@ -789,6 +798,12 @@ class FacadeRequest(Request):
             self.render(found)  # type: ignore[no-untyped-call]
         except BaseException:
             self.processingFailed(Failure())  # type: ignore[no-untyped-call]
+
+
+def _is_whole(length: list[bytes], sent: int) -> bool:
+    """Whether C{sent} body bytes are all that a C{Content-Length} of
+    C{length} announces (never when it is not one decimal number)."""
+    return len(length) == 1 and length[0].isdigit() and sent >= int(length[0])
 
 
 @lru_cache(maxsize=1)
