@@ -17,6 +17,7 @@ requests (C{callgrind_control -i on/off}), then the counts are dumped::
 
     python -m bench.instructions                      # chat c=8, all three
     python -m bench.instructions --route stream --requests 20
+    python -m bench.instructions --route paced --concurrency 2 --requests 20
     python -m bench.instructions --only nvproxy --tree ../base   # A/B
 
 C{--tree DIR} runs nvproxy from another checkout (first on C{PYTHONPATH}),
@@ -57,7 +58,26 @@ ROUTES = {
     "chat": ("/api/chat", False),
     "stream": ("/api/chat", True),
     "sse": ("/v1/chat/completions", True),
+    "paced": ("/api/chat", True),
 }
+PACED_CHUNKS, PACED_INTERVAL_MS = 20, 20
+"""The C{paced} route: an NDJSON stream of this many tokens this far apart,
+so that each reaches the proxy in a read of its own (as a real engine's
+tokens do) even under callgrind."""
+
+
+def engine_args(route: str) -> list[str]:
+    """The compiled engine's arguments beyond its port and model, for C{route}."""
+    if route == "paced":
+        return [
+            "--chunks",
+            str(PACED_CHUNKS),
+            "--interval-ms",
+            str(PACED_INTERVAL_MS),
+        ]
+    return []
+
+
 MODEL = "bench-model"
 
 
@@ -124,7 +144,14 @@ def measure(
     upstream, port = _free_port(), _free_port()
     command = _command(target, work, port, upstream)  # may exit: before spawning
     engine = subprocess.Popen(
-        [str(engine_bin), "--port", str(upstream), "--models", MODEL],
+        [
+            str(engine_bin),
+            "--port",
+            str(upstream),
+            "--models",
+            MODEL,
+            *engine_args(route),
+        ],
         stdout=subprocess.DEVNULL,
     )
     out = work / f"{target}.callgrind"

@@ -470,6 +470,17 @@ class InstructionsTests(SynchronousTestCase):
             )
         self.assertEqual(instructions.DEFAULT_TARGETS, ("nvproxy", "rpr", "agent"))
 
+    def test_paced_route_sends_tokens_apart(self) -> None:
+        """
+        The paced route streams NDJSON tokens far enough apart for each to
+        be a read of its own; the other routes use the engine's defaults.
+        """
+        self.assertEqual(instructions.ROUTES["paced"], ("/api/chat", True))
+        self.assertEqual(
+            instructions.engine_args("paced"), ["--chunks", "20", "--interval-ms", "20"]
+        )
+        self.assertEqual(instructions.engine_args("stream"), [])
+
     def test_without_valgrind(self) -> None:
         self.patch(instructions.shutil, "which", lambda name: None)
         self.assertEqual(instructions.main([]), 2)
