@@ -280,6 +280,42 @@ class ParserTests(SynchronousTestCase):
         protocol.dataReceived(b"3\r\nabc\r\n3\r\ndef\r\n3\r\nghi\r\n")
         self.assertEqual(body, [b"abcdefghi"], "three chunks, one read, one write")
 
+    def test_body_read_inside_a_body_callback(self) -> None:
+        """
+        A body read that comes in while the decoder's callback runs (a call
+        from inside it) is buffered and handed on after it, in order, as
+        Twisted's parser does; then the response ends as Twisted's does.
+        """
+        from twisted.web._newclient import HTTPClientParser, Request
+        from twisted.web.http_headers import Headers
+
+        from nvproxy.proxy.chunked import _CoalescingParser
+
+        def run(parser_type: Any) -> tuple[list[bytes], list[bytes]]:
+            rest: list[bytes] = []
+            request = Request(b"GET", b"/", Headers({b"host": [b"x"]}), None)
+            parser = parser_type(request, rest.append)
+            parser.makeConnection(StringTransport())
+            body: list[bytes] = []
+
+            class Inner(Protocol):
+                def dataReceived(self, data: bytes) -> None:
+                    body.append(data)
+                    if len(body) == 1:
+                        parser.dataReceived(b"-inner-")
+
+            parser._responseDeferred.addCallback(
+                lambda response: response.deliverBody(Inner())
+            )
+            parser.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n")
+            parser.dataReceived(b"first")
+            parser.dataReceived(b"last....tail")
+            return body, rest
+
+        ours = run(_CoalescingParser)
+        self.assertEqual(ours, run(HTTPClientParser))
+        self.assertEqual(ours, ([b"first", b"-inner-", b"last...."], [b"tail"]))
+
 
 class _CountingTransport(StringTransport):
     """A StringTransport that counts the pauses asked of it."""

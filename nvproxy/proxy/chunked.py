@@ -296,7 +296,27 @@ class _CoalescingParser(HTTPClientParser):
     """
 
     def dataReceived(self, data: bytes) -> None:
-        if self._busyReceiving or not self.line_mode or self.paused:
+        if not self.line_mode:
+            decoder = self.bodyDecoder
+            if decoder is None or self._busyReceiving or self.paused or self._buffer:
+                super().dataReceived(data)  # type: ignore[no-untyped-call]
+                return
+            # The body (a stream's every token): straight to its decoder, as
+            # Twisted's parser and LineReceiver hand it on in raw mode, less
+            # their three calls a read.  What comes in meanwhile (a call
+            # from inside the decoder's callbacks) is buffered, as
+            # LineReceiver buffers it, and handed on as its loop would.
+            self._everReceivedData = True
+            self._busyReceiving = True
+            try:
+                decoder.dataReceived(data)
+            finally:
+                self._busyReceiving = False
+            if self._buffer and not self.paused:
+                # (mypy keeps the narrowing above across the call: unchecked)
+                super().dataReceived(b"")
+            return
+        if self._busyReceiving or self.paused:
             super().dataReceived(data)  # type: ignore[no-untyped-call]
             return
         self._everReceivedData = True
@@ -370,11 +390,27 @@ class _CoalescingParser(HTTPClientParser):
             transport.pauseProducing()
 
     def switchToBodyMode(self, decoder: Any) -> None:
+        response = self.response
+        if response is not None and decoder.dataCallback == response._bodyDataReceived:
+            decoder.dataCallback = partial(_deliver, response)
         if type(decoder) is _ChunkedTransferDecoder:
             decoder = CoalescingChunkedDecoder(
                 decoder.dataCallback, decoder.finishCallback
             )
         super().switchToBodyMode(decoder)  # type: ignore[no-untyped-call]
+
+
+def _deliver(response: Any, data: bytes) -> None:
+    """
+    C{response._bodyDataReceived(data)}: straight to the body's protocol
+    once it has one, which is what Twisted's state dispatcher does then,
+    without its name lookup and second call (once per read: a stream's
+    every token).
+    """
+    if response._state == "CONNECTED":
+        response._bodyProtocol.dataReceived(data)
+    else:
+        response._bodyDataReceived(data)
 
 
 def coalesce_chunks(parser: Any) -> None:
