@@ -55,8 +55,8 @@ __all__ = [
 class Holder(Protocol):
     """A client connection that can hold writes for the length of a read."""
 
-    def flush(self) -> None:
-        """Write what was held (L{Cork.take})."""
+    def send_held(self, held: list[bytes]) -> None:
+        """Write C{held}, what the cork held for it during a read."""
 
 
 class Cork:
@@ -88,9 +88,10 @@ class Cork:
 
     def during(self, receive: Callable[[bytes], None], data: bytes) -> None:
         """
-        C{receive(data)} with the cork on, then flush every holder.  A read
-        handled inside another (none is, in Twisted) leaves the flush to the
-        outer one.
+        C{receive(data)} with the cork on, then L{end}.  A read handled
+        inside another (none is, in Twisted) leaves the end to the outer
+        one.  (The upstream protocol does the same inline: L{active}, set
+        and read, then L{end}.)
         """
         if self.active:
             receive(data)
@@ -99,9 +100,16 @@ class Cork:
         try:
             receive(data)
         finally:
-            self.active = False
-            for holder in list(self._held):
-                holder.flush()
+            self.end()
+
+    def end(self) -> None:
+        """The read is handled: the cork is off, and each holder that held
+        something is handed it to send."""
+        self.active = False
+        held = self._held
+        while held:
+            holder, data = held.popitem()
+            holder.send_held(data)
 
 
 CORK = Cork()

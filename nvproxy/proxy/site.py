@@ -227,9 +227,12 @@ class _GuardedChannel(HTTPChannel):
     def flush(self) -> None:
         held = CORK.take(self)
         if held:
-            data = held[0] if len(held) == 1 else b"".join(held)
-            if not send_now(self.transport, data):
-                HTTPChannel.write(self, data)
+            self.send_held(held)
+
+    def send_held(self, held: list[bytes]) -> None:
+        data = held[0] if len(held) == 1 else b"".join(held)
+        if not send_now(self.transport, data):
+            HTTPChannel.write(self, data)
 
     def write(self, data: bytes) -> None:
         if not self._hold(data):
@@ -698,10 +701,12 @@ class FacadeRequest(Request):
         Request.requestReceived(self, command, origin_form(path), version)
 
     _chunks_direct = False
-    """The head is written and the body is chunked as it is: L{write} frames
-    each piece itself (what Twisted's C{Request.write} does then, without
-    its checks for the first write, through C{toChunk}, C{writeSequence}
-    and a join, once per relayed read)."""
+    """The head is written and the body is chunked as it is, on a facade
+    channel: L{write} frames each piece itself (what Twisted's
+    C{Request.write} does then, without its checks for the first write,
+    through C{toChunk}, C{writeSequence} and a join, once per relayed read)
+    and has the cork hold it during an upstream read (the channel's
+    C{write}, less its two calls)."""
 
     def write(self, data: bytes) -> None:
         if self._chunks_direct:
@@ -713,7 +718,11 @@ class FacadeRequest(Request):
                 return
             self.sentLength += len(data)
             if data:
-                self.channel.write(b"%x\r\n%b\r\n" % (len(data), data))
+                framed = b"%x\r\n%b\r\n" % (len(data), data)
+                if CORK.active:
+                    CORK.hold(self.channel, framed)  # type: ignore[arg-type]
+                else:
+                    self.channel.write(framed)
             return
         if self._first_byte_at is None and self._received_at is not None:
             self._first_byte_at = self._access_to.reactor.seconds()
@@ -733,6 +742,7 @@ class FacadeRequest(Request):
             and not self._inFakeHead
             and self._encoder is None
             and "write" not in vars(self)  # a HEAD or no-body answer's no-op
+            and isinstance(self.channel, _GuardedChannel)
         ):
             self._chunks_direct = True
 

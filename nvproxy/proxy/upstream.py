@@ -367,8 +367,21 @@ class _ClientProtocol(HTTP11ClientProtocol):
         return answer
 
     def dataReceived(self, data: bytes) -> None:
-        # What this read makes the facades write leaves at its end.
-        CORK.during(super().dataReceived, data)
+        # What this read makes the facades write leaves at its end
+        # (nvproxy.proxy.cork).  CORK.during and Twisted's dataReceived,
+        # inlined: each token of a stream is a read, and each call is a
+        # share of what relaying it costs.
+        cork = CORK
+        outer = not cork.active
+        cork.active = True
+        try:
+            parser: Any = self._parser  # None: caught, as Twisted catches it
+            parser.dataReceived(data)
+        except BaseException:
+            self._giveUp(Failure())  # type: ignore[no-untyped-call]
+        finally:
+            if outer:
+                cork.end()
 
     def _disconnectParser(self, reason: Failure) -> None:
         parser = self._parser
