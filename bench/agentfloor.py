@@ -88,10 +88,16 @@ class _Front(Resource):
         return NOT_DONE_YET
 
 
-def _site(reactor: Any, upstream: str) -> Site:
+def floor_agent(reactor: Any) -> Agent:
+    """The floors' client: C{Agent} on one persistent pool (the lean and
+    facade floors use this same one, so only their server sides differ)."""
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool.maxPersistentPerHost = 4096
-    front = _Front(Agent(reactor, pool=pool), f"http://{upstream}".encode())
+    return Agent(reactor, pool=pool)
+
+
+def _site(reactor: Any, upstream: str) -> Site:
+    front = _Front(floor_agent(reactor), f"http://{upstream}".encode())
     return _Site(front, reactor=reactor)  # type: ignore[no-untyped-call]
 
 

@@ -19,17 +19,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from twisted.web.client import Agent, HTTPConnectionPool
-
-from bench.agentfloor import _Front
+from bench.agentfloor import _Front, floor_agent
 from bench.refserver import run
 from nvproxy.proxy.site import FacadeSite, plain_error_body
 
 
 def _site(reactor: Any, upstream: str) -> FacadeSite:
-    pool = HTTPConnectionPool(reactor, persistent=True)
-    pool.maxPersistentPerHost = 4096
-    front = _Front(Agent(reactor, pool=pool), f"http://{upstream}".encode())
+    front = _Front(floor_agent(reactor), f"http://{upstream}".encode())
     return FacadeSite(
         front,
         error_body=plain_error_body,

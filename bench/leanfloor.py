@@ -29,13 +29,13 @@ from twisted.python.failure import Failure
 from twisted.web.client import (
     Agent,
     FileBodyProducer,
-    HTTPConnectionPool,
     ResponseDone,
 )
 from twisted.web.http import RESPONSES, PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
+from bench.agentfloor import floor_agent
 from bench.refserver import run
 from nvproxy.proxy.upstream import HOP_BY_HOP
 
@@ -166,9 +166,7 @@ class LeanFactory(ServerFactory[LeanChannel]):
 
 
 def _factory(reactor: Any, upstream: str) -> LeanFactory:
-    pool = HTTPConnectionPool(reactor, persistent=True)
-    pool.maxPersistentPerHost = 4096
-    return LeanFactory(Agent(reactor, pool=pool), f"http://{upstream}".encode())
+    return LeanFactory(floor_agent(reactor), f"http://{upstream}".encode())
 
 
 def main(argv: Sequence[str] | None = None) -> None:
