@@ -73,6 +73,7 @@ from nvproxy.noderecord import (
 )
 from nvproxy.ops import Operations, effective_engine
 from nvproxy.outliers import EjectionPolicy, OutlierTable
+from nvproxy.poll import serve_events_untagged
 from nvproxy.ports import PortStore, SelectionStore
 from nvproxy.proxy.access import KeyPolicy, NetworkGate, access_warnings
 from nvproxy.proxy.attempt import AttemptSettings
@@ -890,6 +891,7 @@ def makeService(options: usage.Options) -> NvProxy:
 
     reactor.callWhenRunning(install_signal_handlers, reactor, service.shutdown, on_hup)
     reactor.callWhenRunning(tune_collector)
+    serve_events_untagged(reactor)
     return service
 
 
