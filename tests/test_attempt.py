@@ -665,3 +665,26 @@ class HonestEndingTests(_AttemptCase):
     def test_no_idle_timer_by_default(self) -> None:
         r, committed = self.stream(b"text/event-stream")
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class GateTests(SynchronousTestCase):
+    def test_end_lets_go_of_the_rebound_write(self) -> None:
+        """
+        At its end the body's protocol drops the client's write it was
+        rebound to at commit (and the attempt), and keeps its attributes
+        in its class's shared table.
+        """
+        from nvproxy.proxy.attempt import _Gate
+        from tests.objects import keeps_own_dict
+
+        written: list[bytes] = []
+        for rebound in (True, False):
+            gate: Any = _Gate(None)  # type: ignore[arg-type]
+            if rebound:
+                gate.dataReceived = written.append
+            gate.dataReceived(b"x")
+            gate.connectionLost()
+            self.assertEqual(gate.dataReceived.__func__, _Gate.dataReceived)
+            self.assertIsNone(gate._attempt)
+            self.assertFalse(keeps_own_dict(gate))
+        self.assertEqual(written, [b"x"])

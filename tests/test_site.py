@@ -29,7 +29,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from nvproxy.engines import ENGINES
 from nvproxy.proxy.client import ClientSide
-from nvproxy.proxy.cork import CORK, Turn, hold, release, send_now
+from nvproxy.proxy.cork import CORK, Turn, cover, hold, release, send_now, uncover
 from nvproxy.proxy.listener import DemuxFactory
 from nvproxy.proxy.site import (
     _CHANNEL_ATTRIBUTES,
@@ -42,6 +42,7 @@ from nvproxy.proxy.site import (
     when_lost,
 )
 from nvproxy.service import build
+from tests.objects import keeps_own_dict
 from tests.test_service import service_config
 
 LIMITS = ClientLimits(
@@ -1560,6 +1561,34 @@ class ChunkedWriteTests(SynchronousTestCase):
         )
         self.assertEqual(sent, 3 + 300 + 5)
 
+    def test_direct_decided_without_own_dict(self) -> None:
+        """
+        A GET's pieces are framed directly after the head, a HEAD's are not
+        (its C{write} is Twisted's no-op then, an attribute of its own),
+        and deciding so leaves a GET's attributes in its class's shared
+        table.
+        """
+        seen: list[tuple[bytes, bool, bool]] = []
+
+        class Fresh(FacadeRequest):
+            """(A class of its own: a table no other test has added to.)"""
+
+            def finish(self) -> None:
+                own = sys.implementation.name == "cpython" and keeps_own_dict(self)
+                seen.append((self.method, self._chunks_direct, own))
+                FacadeRequest.finish(self)
+
+        for head in (
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n",
+        ):
+            site = _facade_site(Clock(), resource=_Pieces())
+            site.requestFactory = Fresh
+            conn = _Connection(self, site)
+            conn.send(head)
+        self.assertEqual(seen[0], (b"GET", True, False))
+        self.assertEqual(seen[1][:2], (b"HEAD", False))
+
 
 class WhenLostTests(SynchronousTestCase):
     """
@@ -1754,3 +1783,52 @@ class ChannelAttributesTests(SynchronousTestCase):
         self.assertEqual(after.totalHeadersSize, 1051)
         self.assertEqual(before.MAX_LENGTH, 201)
         self.assertIs(after.site, site)
+
+
+class CoverTests(SynchronousTestCase):
+    """
+    L{cover} and L{uncover}: an instance attribute for the length of a
+    call, whatever the instance had under that name put back after it.
+    """
+
+    class _Target:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def write(self, data: bytes) -> None:
+            self.n += 1
+
+    def test_class_method_covered_and_restored(self) -> None:
+        target: Any = self._Target()
+        written: list[bytes] = []
+        before = cover(target, "write", written.append)
+        self.assertIsNone(before)
+        target.write(b"x")
+        uncover(target, "write", before)
+        target.write(b"y")
+        self.assertEqual((written, target.n), ([b"x"], 1))
+        self.assertEqual(target.write.__func__, self._Target.write)
+        if sys.implementation.name == "cpython":
+            self.assertFalse(keeps_own_dict(target))
+
+    def test_instance_attribute_put_back(self) -> None:
+        target: Any = self._Target()
+        own: list[bytes] = []
+        target.write = own.append
+        covered: list[bytes] = []
+        before = cover(target, "write", covered.append)
+        self.assertEqual(before, own.append)
+        target.write(b"x")
+        uncover(target, "write", before)
+        target.write(b"y")
+        self.assertEqual((covered, own, target.n), ([b"x"], [b"y"], 0))
+
+    def test_another_instances_method_is_its_own(self) -> None:
+        """A bound method of another object under the name is kept."""
+        target: Any = self._Target()
+        other = self._Target()
+        target.write = other.write
+        before = cover(target, "write", [].append)
+        uncover(target, "write", before)
+        target.write(b"x")
+        self.assertEqual((target.n, other.n), (0, 1))

@@ -127,7 +127,11 @@ class _Gate(Protocol):
         # and of the client's write it was rebound to at commit: Twisted's
         # response parser holds this protocol in a cycle of its own
         # (HTTPClientParser <-> _ChunkedTransferDecoder)
-        self.__dict__.pop("dataReceived", None)
+        # (a deletion, not self.__dict__.pop: see nvproxy.proxy.cork.cover)
+        try:
+            del self.dataReceived
+        except AttributeError:
+            pass
         if attempt is not None:
             attempt._body_ended(reason)
 

@@ -370,9 +370,7 @@ class _CoalescingParser(HTTPClientParser):
             super().allHeadersReceived()  # type: ignore[no-untyped-call]
             return
         due: list[bool] = []
-        resumed = vars(transport).get("resumeProducing") or partial(
-            type(transport).resumeProducing, transport
-        )
+        resumed = transport.resumeProducing  # (not vars(): see cork.cover)
 
         def resume() -> None:
             due.clear()

@@ -166,10 +166,20 @@ def cover(target: Any, name: str, value: object) -> Any:
     Set C{target.name} to C{value} as an instance attribute; what the
     instance had under that name (Twisted's client TLS keeps its C{write}
     there) or C{None}, for L{uncover}.
+
+    The instance's own is told from the class's method by what reading the
+    name gives, not by C{vars(target)}: asking CPython for an instance's
+    C{__dict__} makes it keep the attributes in a dict from then on, and
+    every later attribute read of a connection (each of its reads, each of
+    its writes) is slower.
     """
-    before = vars(target).get(name)
+    current = getattr(target, name, None)
+    if getattr(current, "__self__", None) is target and getattr(
+        current, "__func__", None
+    ) is getattr(type(target), name, None):
+        current = None  # the class's method: nothing of the instance's
     setattr(target, name, value)
-    return before
+    return current
 
 
 def uncover(target: Any, name: str, before: object) -> None:

@@ -741,7 +741,9 @@ class FacadeRequest(Request):
             and self.startedWriting
             and not self._inFakeHead
             and self._encoder is None
-            and "write" not in vars(self)  # a HEAD or no-body answer's no-op
+            # not a HEAD or no-body answer's no-op (an instance attribute;
+            # read, not looked for in vars(self): see cork.cover)
+            and getattr(self.write, "__func__", None) is FacadeRequest.write
             and isinstance(self.channel, _GuardedChannel)
         ):
             self._chunks_direct = True
