@@ -6,6 +6,7 @@ does, with fewer callbacks.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 from hypothesis import given
@@ -16,6 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http import _ChunkedTransferDecoder, _DataLoss
 
 from nvproxy.proxy.chunked import CoalescingChunkedDecoder
+from tests.objects import keeps_own_dict
 
 
 def _run(decoder_type: Any, pieces: list[bytes]) -> tuple[bytes, Any, str, int]:
@@ -315,6 +317,56 @@ class ParserTests(SynchronousTestCase):
         ours = run(_CoalescingParser)
         self.assertEqual(ours, run(HTTPClientParser))
         self.assertEqual(ours, ([b"first", b"-inner-", b"last...."], [b"tail"]))
+
+
+class CoalescingTests(SynchronousTestCase):
+    """
+    L{coalescing}: Twisted's client protocol builds its response parser as
+    a L{_CoalescingParser} for the call, and only for it.
+    """
+
+    def test_parser_built_as_coalescing(self) -> None:
+        """
+        nvproxy's upstream protocol gets the coalescing parser built as
+        one (not a Twisted parser given another class afterwards, which
+        would keep its attributes in a dict of its own).
+        """
+        from twisted.web import _newclient
+        from twisted.web._newclient import HTTPClientParser, Request
+        from twisted.web.http_headers import Headers
+
+        from nvproxy.proxy.chunked import _CoalescingParser
+        from nvproxy.proxy.upstream import _ClientProtocol
+
+        protocol = _ClientProtocol(lambda p: None)  # type: ignore[no-untyped-call]
+        protocol.makeConnection(StringTransport())
+        protocol.request(Request(b"GET", b"/", Headers({b"host": [b"x"]}), None))
+        parser: Any = protocol._parser  # type: ignore[attr-defined]
+        self.assertIs(type(parser), _CoalescingParser)
+        self.assertIs(_newclient.HTTPClientParser, HTTPClientParser)
+        if sys.implementation.name == "cpython":
+            self.assertFalse(keeps_own_dict(parser))
+
+    def test_only_for_the_call(self) -> None:
+        from twisted.web import _newclient
+        from twisted.web._newclient import HTTPClientParser
+
+        from nvproxy.proxy.chunked import _CoalescingParser, coalescing
+
+        seen: list[object] = []
+
+        def request(wire: object) -> Any:
+            seen.append((wire, _newclient.HTTPClientParser))
+            return "answer"
+
+        def broken(wire: object) -> Any:
+            raise ZeroDivisionError()
+
+        self.assertEqual(coalescing(request, "wire"), "answer")
+        self.assertEqual(seen, [("wire", _CoalescingParser)])
+        self.assertIs(_newclient.HTTPClientParser, HTTPClientParser)
+        self.assertRaises(ZeroDivisionError, coalescing, broken, "wire")
+        self.assertIs(_newclient.HTTPClientParser, HTTPClientParser)
 
 
 class _CountingTransport(StringTransport):

@@ -23,6 +23,8 @@ from functools import partial
 from itertools import repeat
 from typing import Any
 
+from twisted.internet.defer import Deferred
+from twisted.web import _newclient
 from twisted.web._newclient import HTTPClientParser
 from twisted.web.http import (
     _ChunkedTransferDecoder,
@@ -34,7 +36,7 @@ from twisted.web.http import (
 
 from nvproxy.proxy.cork import cover, uncover
 
-__all__ = ["CoalescingChunkedDecoder", "coalesce_chunks"]
+__all__ = ["CoalescingChunkedDecoder", "coalescing"]
 
 _LENGTH, _BODY, _CRLF, _TRAILER, _FINISHED = range(5)
 _MAX_TRAILER = 2**16
@@ -411,13 +413,25 @@ def _deliver(response: Any, data: bytes) -> None:
         response._bodyDataReceived(data)
 
 
-def coalesce_chunks(parser: Any) -> None:
+def coalescing(
+    request: Callable[[Any], Deferred[Any]], wire_request: Any
+) -> Deferred[Any]:
     """
-    Make C{parser} (a Twisted C{HTTPClientParser}, before its headers are
-    in) decode a chunked body with L{CoalescingChunkedDecoder}.  Twisted
-    builds the parser inside C{HTTP11ClientProtocol.request}; its class is
-    swapped for a subclass that differs only there (no instance attribute,
-    so no reference cycle through the parser).
+    C{request(wire_request)}: a Twisted C{HTTP11ClientProtocol.request},
+    which builds the response's parser as a L{_CoalescingParser}, so that
+    a chunked body is decoded with L{CoalescingChunkedDecoder}.
+
+    Twisted builds the parser inside that call, from its module's
+    C{HTTPClientParser}, which names the subclass for the call only.
+    (Swapping the built parser's C{__class__} instead made CPython keep its
+    attributes in a dict of their own, as it must when an object changes
+    class: every attribute the parser reads per read, and per head line,
+    got slower; see L{nvproxy.proxy.cork.cover}.)
     """
-    if type(parser) is HTTPClientParser:
-        parser.__class__ = _CoalescingParser
+    module: Any = _newclient
+    before = module.HTTPClientParser
+    module.HTTPClientParser = _CoalescingParser
+    try:
+        return request(wire_request)
+    finally:
+        module.HTTPClientParser = before

@@ -56,7 +56,7 @@ from zope.interface import implementer
 from nvproxy.discovery import InventoryClient
 from nvproxy.memo import keep_short
 from nvproxy.proxy.backendauth import KeyedAgent
-from nvproxy.proxy.chunked import coalesce_chunks
+from nvproxy.proxy.chunked import coalescing
 from nvproxy.proxy.cork import CORK, Turn, hold, release
 from nvproxy.proxy.headers import CONNECTION, HOST, OwnHeaders, copy_headers
 
@@ -357,13 +357,11 @@ class _ClientProtocol(HTTP11ClientProtocol):
         turn = self._turn
         held = hold(transport) if turn is None or turn.available else None
         try:
-            answer: Deferred[Any] = super().request(request)
+            # chunked bodies handed on once per read, not once per chunk
+            answer = coalescing(super().request, request)
         finally:
             if held is not None:
                 release(transport, held, turn)
-        if self._parser is not None:
-            # chunked bodies handed on once per read, not once per chunk
-            coalesce_chunks(self._parser)
         return answer
 
     def dataReceived(self, data: bytes) -> None:
