@@ -366,16 +366,28 @@ _KEY_NAMES = (
 _MAY_REPORT = (_ESCAPE, *_KEY_NAMES)
 """In a line that can carry a report: a report key's name, or an escape
 (which could spell one)."""
+_REASON = re.compile(rb'_reason"(?!:null)')
 _MAY_TALLY = (
     re.compile(rb"\[DONE\]"),
     _ESCAPE,
     _USAGE,
     re.compile(rb'stop"'),
-    re.compile(rb'_reason"(?!:null)'),
+    _REASON,
 )
 """In a line that can change a L{_Tally}: a C{[DONE]}, or what
 L{_may_count} looks for (an escape, a usage, a C{"stop"}, a C{finish_reason}
 that is not literally null)."""
+
+_NEEDLES = {
+    pattern: pattern.pattern.replace(b"\\", b"")
+    for pattern in (*_MAY_REPORT, *_MAY_TALLY)
+    if pattern is not _REASON
+}
+_NEEDLES[_ESCAPE] = b"\\"
+_NEEDLES[_REASON] = b'_reason"'
+"""A literal every match of each searched pattern holds: a window without
+it (one C{find}, a fast scan) has no match, and no iterator and list are
+made for it (most of a stream's windows lack most of the patterns)."""
 
 _Span = tuple[int, int]
 
@@ -414,8 +426,8 @@ class _Window:
         """Where C{pattern} matches in the whole window (searched once)."""
         where = self._found.get(pattern)
         if where is None:
-            if pattern is _ESCAPE and self.window.find(b"\\") < 0:
-                where = []  # one memchr, where the search is a slow scan
+            if self.window.find(_NEEDLES.get(pattern, b"")) < 0:
+                where = []  # one fast scan, where the search is a slow one
             else:
                 where = [match.start() for match in pattern.finditer(self.window)]
             self._found[pattern] = where

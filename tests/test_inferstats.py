@@ -736,6 +736,24 @@ class LastReportTests(SynchronousTestCase):
         )
 
 
+class FoundTests(SynchronousTestCase):
+    @given(st.lists(_LINES, max_size=12), st.integers(min_value=0, max_value=80))
+    def test_same_as_the_search(self, lines: list[bytes], cut: int) -> None:
+        """
+        Where the window finds each pattern is where a search finds it: the
+        literal it looks for first is in every match.
+        """
+        from nvproxy import inferstats
+
+        window = (b"\n".join(lines) + b"\n")[cut:]
+        win = inferstats._Window(window, False)
+        for pattern in (*inferstats._MAY_REPORT, *inferstats._MAY_TALLY):
+            self.assertTrue(inferstats._NEEDLES[pattern])
+            self.assertEqual(
+                win.found(pattern), [m.start() for m in pattern.finditer(window)]
+            )
+
+
 class LoadsTests(SynchronousTestCase):
     """The meter decodes a record as C{json.loads} would, UTF-8 or not."""
 
