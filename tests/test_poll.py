@@ -63,12 +63,15 @@ class _PollMixin:
         reactor.waker.connectionLost(None)
         reactor._poller.close()
 
-    def _ready(self, name: str, on_read: Any) -> _Descriptor:
+    def _ready(
+        self, name: str, on_read: Any, kind: type[_Descriptor] = _Descriptor
+    ) -> _Descriptor:
+        """A descriptor of C{kind}, added to the reactor, with a byte to read."""
         test: Any = self
         ours, theirs = socket.socketpair()
         test.addCleanup(ours.close)
         test.addCleanup(theirs.close)
-        descriptor = _Descriptor(ours, name, on_read)
+        descriptor = kind(ours, name, on_read)
         self.reactor.addReader(descriptor)
         theirs.send(b"x")
         return descriptor
@@ -139,13 +142,8 @@ class _PollMixin:
             def connectionLost(self, reason: Failure) -> None:
                 raise KeyError("lost")
 
-        ours, theirs = socket.socketpair()
         test: Any = self
-        test.addCleanup(ours.close)
-        test.addCleanup(theirs.close)
-        broken = Broken(ours, "Broken,1,127.0.0.1", lambda: "done")
-        self.reactor.addReader(broken)
-        theirs.send(b"x")
+        self._ready("Broken,1,127.0.0.1", lambda: "done", Broken)
         self._ready("Next,2,127.0.0.1", lambda: served.append("next"))
         self._poll()
         test.assertEqual(served, ["next"])
@@ -162,13 +160,8 @@ class _PollMixin:
             def connectionLost(self, reason: Failure) -> None:
                 raise KeyboardInterrupt()
 
-        ours, theirs = socket.socketpair()
         test: Any = self
-        test.addCleanup(ours.close)
-        test.addCleanup(theirs.close)
-        interrupted = Interrupted(ours, "Int,1,127.0.0.1", lambda: "done")
-        self.reactor.addReader(interrupted)
-        theirs.send(b"x")
+        self._ready("Int,1,127.0.0.1", lambda: "done", Interrupted)
         test.assertRaises(KeyboardInterrupt, self._poll)
         log.msg("after")
         test.assertEqual(self._systems("after"), ["-"])
@@ -225,12 +218,7 @@ class UntaggedPollTests(_PollMixin, SynchronousTestCase):
             def logPrefix(self) -> str:
                 raise RuntimeError("no prefix")
 
-        ours, theirs = socket.socketpair()
-        self.addCleanup(ours.close)
-        self.addCleanup(theirs.close)
-        buggy = Buggy(ours, "", lambda: log.msg("inside"))
-        self.reactor.addReader(buggy)
-        theirs.send(b"x")
+        self._ready("", lambda: log.msg("inside"), Buggy)
         self._poll()
         self.assertEqual(self._systems("inside"), ["(buggy logPrefix method)"])
 
