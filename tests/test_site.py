@@ -24,15 +24,18 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
-from twisted.web.resource import Resource
+from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from nvproxy.engines import ENGINES
+from nvproxy.proxy.accesslog import access_of
 from nvproxy.proxy.client import ClientSide
 from nvproxy.proxy.cork import CORK, Turn, cover, hold, release, send_now, uncover
 from nvproxy.proxy.listener import DemuxFactory
+from nvproxy.proxy.requestid import assign, request_id
 from nvproxy.proxy.site import (
     _CHANNEL_ATTRIBUTES,
+    _REQUEST_ATTRIBUTES,
     ClientLimits,
     FacadeRequest,
     FacadeSite,
@@ -1542,7 +1545,9 @@ class ChunkedWriteTests(SynchronousTestCase):
 
     def test_same_as_twisted(self) -> None:
         class Plain(FacadeRequest):
-            _chunks_direct = property(lambda self: False, lambda self, value: None)
+            # never framed directly: its write is not FacadeRequest.write
+            def write(self, data: bytes) -> None:
+                FacadeRequest.write(self, data)
 
         for head in (
             b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -1575,7 +1580,7 @@ class ChunkedWriteTests(SynchronousTestCase):
 
             def finish(self) -> None:
                 own = sys.implementation.name == "cpython" and keeps_own_dict(self)
-                seen.append((self.method, self._chunks_direct, own))
+                seen.append((self.method, self._notes.chunks_direct, own))
                 FacadeRequest.finish(self)
 
         for head in (
@@ -1614,14 +1619,14 @@ class WhenLostTests(SynchronousTestCase):
         request.connectionLost(Failure(ConnectionLost()))
         self.assertEqual(told, [("first", ConnectionLost), ("second", ConnectionLost)])
         self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
-        self.assertIsNone(request._on_lost)
+        self.assertIsNone(request._notes.on_lost)
 
     def test_not_after_the_end(self) -> None:
         request = self.request()
         told: list[object] = []
         when_lost(request, told.append)
         request.finish()
-        self.assertIsNone(request._on_lost)
+        self.assertIsNone(request._notes.on_lost)
         self.assertEqual(told, [])
 
     def test_client_side_closed(self) -> None:
@@ -1783,6 +1788,140 @@ class ChannelAttributesTests(SynchronousTestCase):
         self.assertEqual(after.totalHeadersSize, 1051)
         self.assertEqual(before.MAX_LENGTH, 201)
         self.assertIs(after.site, site)
+
+
+class _Held(Resource):
+    """Writes a first piece and holds the answer open (a stream the client
+    leaves)."""
+
+    isLeaf = True
+
+    def render(self, request: Request) -> Any:
+        request.write(b"first")
+        return NOT_DONE_YET
+
+
+class RequestAttributesTests(SynchronousTestCase):
+    """
+    A facade request sets no attribute outside L{_REQUEST_ATTRIBUTES} on
+    its common paths, keeps its attributes in its class's shared table,
+    and starts as twisted.web's request starts.
+    """
+
+    def serve(self, heads: list[bytes]) -> list[FacadeRequest]:
+        """Each head on a connection of its own; the requests served."""
+        served: list[FacadeRequest] = []
+        finish, lost = FacadeRequest.finish, FacadeRequest.connectionLost
+
+        def finishing(request: FacadeRequest) -> None:
+            served.append(request)
+            finish(request)
+
+        def losing(request: FacadeRequest, reason: Failure) -> None:
+            served.append(request)
+            lost(request, reason)
+
+        self.patch(FacadeRequest, "finish", finishing)
+        self.patch(FacadeRequest, "connectionLost", losing)
+        root = Resource()
+        root.putChild(b"echo", _Echo())
+        root.putChild(b"stream", _Produced())
+        root.putChild(b"held", _Held())
+        root.putChild(b"pieces", _Pieces())
+        site = _facade_site(Clock(), resource=root)
+        site.access_log = True
+        for head in heads:
+            conn = _Connection(self, site)
+            conn.send(head)
+            conn.lost()
+        return served
+
+    def test_names_within_the_shared_table(self) -> None:
+        served = self.serve(
+            [
+                b"GET /echo HTTP/1.1\r\nHost: x\r\nCookie: a=b\r\n\r\n",
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                b"Content-Type: application/json\r\n\r\nhi",
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                b"\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+                b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"GET /pieces HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"HEAD /pieces HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n",
+            ]
+        )
+        self.assertEqual(len(served), 7)
+        self.assertLessEqual(len(_REQUEST_ATTRIBUTES), 29)
+        self.assertEqual(len(set(_REQUEST_ATTRIBUTES)), len(_REQUEST_ATTRIBUTES))
+        for request in served:
+            # A HEAD's answer gets twisted.web's no-op write, which the
+            # table has no room for, by design (see _REQUEST_ATTRIBUTES).
+            head = request.method == b"HEAD"
+            if sys.implementation.name == "cpython":
+                # (the class's table is seeded at import: whatever other
+                # tests set on other requests, these names are in it)
+                self.assertEqual(keeps_own_dict(request), head, request)
+            extra = set(vars(request)) - set(_REQUEST_ATTRIBUTES)
+            self.assertEqual(extra, {"write"} if head else set(), request)
+        self.assertEqual(served[0].getCookie(b"a"), b"b")
+        self.assertTrue(served[-1]._disconnected)
+
+    def test_starts_as_twisted_does(self) -> None:
+        """
+        What twisted.web's C{Request.__init__} sets, a facade request has,
+        equal (its own or its class's), but for the form parsing it turns
+        off; and what it sets on itself is among those or its notes.
+        """
+        channel: Any = _facade_site(Clock()).buildProtocol(None)
+        channel.makeConnection(StringTransport())
+        self.addCleanup(channel.connectionLost, Failure(ConnectionDone()))
+        theirs: Any = Request(channel)
+        ours: Any = FacadeRequest(channel)
+        for name, value in vars(theirs).items():
+            mine = getattr(ours, name)
+            if name == "_parsePOSTFormSubmission":
+                self.assertIs(mine, False)
+            elif isinstance(value, Headers):
+                self.assertEqual(list(mine.getAllRawHeaders()), [])
+            elif isinstance(value, dict | list):
+                self.assertEqual(type(value)(mine), value, name)
+            else:
+                self.assertEqual(mine, value, name)
+        self.assertEqual(set(vars(ours)) - set(vars(theirs)), {"_notes"})
+
+    def test_nothing_shared_between_requests(self) -> None:
+        """
+        Cookies and components on one request are its own: the class's
+        empty defaults stay empty.
+        """
+        channel: Any = _facade_site(Clock()).buildProtocol(None)
+        channel.makeConnection(StringTransport())
+        self.addCleanup(channel.connectionLost, Failure(ConnectionDone()))
+        one, other = FacadeRequest(channel), FacadeRequest(channel)
+        one.addCookie(b"k", b"v")
+        one.requestHeaders.setRawHeaders(b"Cookie", [b"a=b"])
+        one.parseCookies()
+        one.setComponent(IResource, _Echo())
+        self.assertEqual(one.cookies, [b"k=v"])
+        self.assertEqual(one.getCookie(b"a"), b"b")
+        self.assertIsInstance(one.getComponent(IResource), _Echo)
+        self.assertEqual(list(other.cookies), [])
+        self.assertIsNone(other.getCookie(b"a"))
+        self.assertIsNone(other.getComponent(IResource))
+        self.assertEqual(FacadeRequest.cookies, ())
+        self.assertEqual(dict(FacadeRequest.received_cookies), {})
+
+    def test_request_id_and_access_record_kept_in_notes(self) -> None:
+        channel: Any = _facade_site(Clock()).buildProtocol(None)
+        channel.makeConnection(StringTransport())
+        self.addCleanup(channel.connectionLost, Failure(ConnectionDone()))
+        request = FacadeRequest(channel)
+        rid = assign(request)
+        access_of(request).model = "m"
+        self.assertEqual(request_id(request), rid)
+        self.assertEqual(request._notes.request_id, rid)
+        self.assertEqual(access_of(request).model, "m")
+        self.assertEqual(set(vars(request)) & {"access", "_nvproxy_request_id"}, set())
 
 
 class CoverTests(SynchronousTestCase):

@@ -33,12 +33,13 @@ keep-alive connection, at the first byte the channel reads of it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import unquote_to_bytes as unquote  # as twisted.web.server
 
-from attrs import frozen
+from attrs import define, frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IAddress, IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
@@ -639,6 +640,44 @@ class GuardedSite(Site):
         return channel
 
 
+@define
+class _Notes:
+    """
+    What nvproxy keeps about one facade request, in one attribute of it
+    (L{_REQUEST_ATTRIBUTES} says why).
+
+    @ivar received: the body's bytes so far.
+    @ivar rejected: the body was refused as too large.
+    @ivar hidden_type: the C{Content-Type} values hidden from twisted.web's
+        form parser until L{FacadeRequest.process}.
+    @ivar access_to: the site whose access log the request goes to.
+    @ivar received_at: when the head was in (with C{access_to}).
+    @ivar first_byte_at: when the answer's first byte was written.
+    @ivar logged: the access line is on its way.
+    @ivar on_lost: what L{when_lost} registered.
+    @ivar chunks_direct: see L{FacadeRequest.write}.
+    @ivar request_id: what L{nvproxy.proxy.requestid} keeps.
+    @ivar access: what L{nvproxy.proxy.accesslog} keeps.
+    @ivar components: C{Componentized}'s cache, when a component is asked for.
+    """
+
+    received: int = 0
+    rejected: bool = False
+    hidden_type: list[bytes] | None = None
+    access_to: FacadeSite | None = None
+    received_at: float | None = None
+    first_byte_at: float | None = None
+    logged: bool = False
+    on_lost: list[Callable[[Failure], object]] | None = None
+    chunks_direct: bool = False
+    request_id: object = None
+    access: object = None
+    components: dict[str, object] | None = None
+
+
+_NO_COOKIES: Mapping[bytes, bytes] = MappingProxyType({})
+
+
 class FacadeRequest(Request):
     """
     A request whose body is bounded and never parsed as a form: a proxy
@@ -649,12 +688,67 @@ class FacadeRequest(Request):
     # twisted.web adds text/html to a response without a content type; a
     # proxy relays the upstream's headers as they are.
     defaultContentType = None
-    _received = 0
-    _rejected = False
-    _received_at: float | None = None
-    _first_byte_at: float | None = None
-    _logged = False
-    _access_to: FacadeSite
+    # What twisted.web's Request.__init__ sets on every request, where it
+    # is the same for all (see __init__): never queued, never a form (the
+    # hidden content type keeps releases of twisted.web without the switch
+    # from parsing one), no cookies until there are some.
+    queued = False
+    _parsePOSTFormSubmission = False
+    # (read-only: parseCookies and addCookie make a request's own first)
+    received_cookies: dict[bytes, bytes] = _NO_COOKIES  # type: ignore[assignment]
+    cookies: list[bytes] = ()  # type: ignore[assignment]
+
+    def __init__(self, channel: Any, *args: object, **kwargs: object) -> None:
+        # twisted.web's Request.__init__ and Componentized's, less what is
+        # on the class: this sets 8 of the request's names where they set 13
+        # (_REQUEST_ATTRIBUTES; a test checks the two agree).  Its other
+        # arguments (queued, deprecated, and parsePOSTFormSubmission) are
+        # ignored: never queued, never a form.
+        self.notifications: list[Deferred[None]] = []
+        self.channel = channel
+        self.client = channel.getPeer()
+        self.host = channel.getHost()
+        self.requestHeaders = Headers()
+        self.responseHeaders = Headers()
+        self.transport = channel.transport
+        self._notes = _Notes()
+
+    @property
+    def _adapterCache(self) -> dict[str, object]:
+        notes = self._notes
+        if notes.components is None:
+            notes.components = {}
+        return notes.components
+
+    @_adapterCache.setter
+    def _adapterCache(self, cache: dict[str, object]) -> None:
+        self._notes.components = cache
+
+    @property
+    def _nvproxy_request_id(self) -> object:
+        return self._notes.request_id
+
+    @_nvproxy_request_id.setter
+    def _nvproxy_request_id(self, value: object) -> None:
+        self._notes.request_id = value
+
+    @property
+    def access(self) -> object:
+        return self._notes.access
+
+    @access.setter
+    def access(self, value: object) -> None:
+        self._notes.access = value
+
+    def parseCookies(self) -> None:
+        if self.requestHeaders.hasHeader(b"cookie"):
+            self.received_cookies = {}
+            Request.parseCookies(self)
+
+    def addCookie(self, k: Any, v: Any, *args: Any, **kwargs: Any) -> None:
+        if self.cookies is FacadeRequest.cookies:
+            self.cookies = []
+        Request.addCookie(self, k, v, *args, **kwargs)
 
     def gotLength(self, length: int | None) -> None:
         limit = _site(self).max_body if self.channel else None
@@ -664,17 +758,18 @@ class FacadeRequest(Request):
         Request.gotLength(self, length)
 
     def handleContentChunk(self, data: bytes) -> None:
-        if self._rejected:
+        notes = self._notes
+        if notes.rejected:
             return
-        self._received += len(data)
+        notes.received += len(data)
         limit = _site(self).max_body
-        if self._received > limit:
+        if notes.received > limit:
             self._too_large()
             return
         Request.handleContentChunk(self, data)
 
     def _too_large(self) -> None:
-        self._rejected = True
+        self._notes.rejected = True
         site = _site(self)
         body = site.error_body(413, f"request body exceeds {site.max_body} bytes")
         transport = self.channel.transport
@@ -688,28 +783,28 @@ class FacadeRequest(Request):
         transport.loseConnection()
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        if self._rejected:
+        notes = self._notes
+        if notes.rejected:
             return
         # Hide the content type from twisted.web's form parser for the length
         # of the call; process() (called at its end) restores it.
-        self._hidden_type = self.requestHeaders._rawHeaders.pop(CONTENT_TYPE, None)
+        notes.hidden_type = self.requestHeaders._rawHeaders.pop(CONTENT_TYPE, None)
         site = _site(self)
         if site.access_log:
             # The channel is gone by the end: keep its site.
-            self._access_to = site
-            self._received_at = site.reactor.seconds()
+            notes.access_to = site
+            notes.received_at = site.reactor.seconds()
         Request.requestReceived(self, command, origin_form(path), version)
 
-    _chunks_direct = False
-    """The head is written and the body is chunked as it is, on a facade
-    channel: L{write} frames each piece itself (what Twisted's
-    C{Request.write} does then, without its checks for the first write,
-    through C{toChunk}, C{writeSequence} and a join, once per relayed read)
-    and has the cork hold it during an upstream read (the channel's
-    C{write}, less its two calls)."""
-
     def write(self, data: bytes) -> None:
-        if self._chunks_direct:
+        # Once the head is written and the body is chunked as it is, on a
+        # facade channel (chunks_direct), each piece is framed here: what
+        # Twisted's Request.write does then, without its checks for the
+        # first write, through toChunk, writeSequence and a join, once per
+        # relayed read; the cork holds it during an upstream read (the
+        # channel's write, less its two calls).
+        notes = self._notes
+        if notes.chunks_direct:
             if self.finished:
                 raise RuntimeError(
                     "Request.write called on a request after Request.finish was called."
@@ -724,8 +819,8 @@ class FacadeRequest(Request):
                 else:
                     self.channel.write(framed)
             return
-        if self._first_byte_at is None and self._received_at is not None:
-            self._first_byte_at = self._access_to.reactor.seconds()
+        if notes.first_byte_at is None and notes.access_to is not None:
+            notes.first_byte_at = notes.access_to.reactor.seconds()
         Request.write(self, data)
         if CORK.active and not (self.chunked or self._disconnected):
             # The last byte of a Content-Length answer: it is whole, and goes
@@ -746,47 +841,47 @@ class FacadeRequest(Request):
             and getattr(self.write, "__func__", None) is FacadeRequest.write
             and isinstance(self.channel, _GuardedChannel)
         ):
-            self._chunks_direct = True
-
-    _on_lost: list[Callable[[Failure], object]] | None = None
-    """What L{when_lost} registered."""
+            notes.chunks_direct = True
 
     def finish(self) -> None:
         Request.finish(self)
-        self._on_lost = None
-        if self._received_at is not None:
+        notes = self._notes
+        notes.on_lost = None
+        if notes.access_to is not None:
             self._ended(True)
 
     def connectionLost(self, reason: Failure) -> None:
         Request.connectionLost(self, reason)
-        lost, self._on_lost = self._on_lost, None
+        notes = self._notes
+        lost, notes.on_lost = notes.on_lost, None
         for callback in lost or ():
             try:
                 callback(reason)
             except Exception:
                 log.failure("while telling that a client went away")
-        if self._received_at is not None and not self.finished:
+        if notes.access_to is not None and not self.finished:
             self._ended(False)
 
     def _ended(self, completed: bool) -> None:
         """The response is finished, or the client went away before."""
-        if self._logged:
+        notes = self._notes
+        site = notes.access_to
+        if notes.logged or site is None:
             return
-        self._logged = True
-        site = self._access_to
-        assert self._received_at is not None
+        notes.logged = True
+        assert notes.received_at is not None
         site.access_later(
             (
                 self,
-                self._received_at,
-                self._first_byte_at,
+                notes.received_at,
+                notes.first_byte_at,
                 site.reactor.seconds(),
                 completed,
             )
         )
 
     def process(self) -> None:
-        hidden = getattr(self, "_hidden_type", None)
+        hidden = self._notes.hidden_type
         if hidden:
             self.requestHeaders._rawHeaders[CONTENT_TYPE] = hidden
         # Twisted's Request.process, but the Date header comes from the
@@ -812,6 +907,65 @@ class FacadeRequest(Request):
             self.processingFailed(Failure())  # type: ignore[no-untyped-call]
 
 
+_REQUEST_ATTRIBUTES = (
+    # What a facade request sets on itself over its life, in the order it
+    # does: __init__'s,
+    "notifications",
+    "channel",
+    "client",
+    "host",
+    "requestHeaders",
+    "responseHeaders",
+    "transport",
+    "_notes",
+    # the head's and the body's,
+    "content",
+    "args",
+    "method",
+    "uri",
+    "clientproto",
+    "path",
+    "received_cookies",  # a client that sends cookies
+    # process's and the resource's,
+    "site",
+    "prepath",
+    "postpath",
+    "sitepath",
+    "code",
+    "code_message",
+    "streamingProducer",
+    "producer",
+    # the answer's.
+    "startedWriting",
+    "sentLength",
+    "chunked",
+    "finished",
+    "_disconnected",
+    # (Not "write", which twisted.web sets to a no-op to answer a HEAD, a
+    # 204 or a 304: a method's name in the table makes CPython look every
+    # request.write() call up the slow way.  The last room goes to a name
+    # only a resource without render_HEAD sets, so that "write" never
+    # gets in: such an answer has a dict of its own instead.)
+    "_inFakeHead",
+)
+"""
+What a facade request sets on itself, but for the rare ways out.  As for
+the channel (L{_CHANNEL_ATTRIBUTES}): CPython 3.11 keeps an instance's
+attributes beside it, keyed by a table its class's instances share, only
+while the class has seen at most 30 names (29 with the seed below), and
+a request that sets one more gets a dict of its own, whose every read is
+slower.  twisted.web's request and nvproxy's set 36 names to answer a
+chat and 38 a stream, so the names that are the same for every request
+are on the class (L{FacadeRequest.__init__}), nvproxy's own are one
+attribute (L{_Notes}), and the class is seeded with these names at import.
+"""
+
+_seed = object.__new__(FacadeRequest)
+for _name in _REQUEST_ATTRIBUTES:
+    object.__setattr__(_seed, _name, None)
+del _seed, _name
+
+
 def _is_whole(length: list[bytes], sent: int) -> bool:
     """Whether C{sent} body bytes are all that a C{Content-Length} of
     C{length} announces (never when it is not one decimal number)."""
@@ -833,10 +987,11 @@ def when_lost(request: Any, callback: Callable[[Failure], object]) -> None:
     proxied request, each fired for nothing when the answer finishes).
     """
     if isinstance(request, FacadeRequest):
-        if request._on_lost is None:
-            request._on_lost = [callback]
+        notes = request._notes
+        if notes.on_lost is None:
+            notes.on_lost = [callback]
         else:
-            request._on_lost.append(callback)
+            notes.on_lost.append(callback)
         return
     request.notifyFinish().addErrback(callback)
 
