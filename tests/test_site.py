@@ -6,6 +6,7 @@ when it does not, on a facade site and on the admin listener's site.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -30,7 +31,17 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from nvproxy.engines import ENGINES
 from nvproxy.proxy.accesslog import access_of
 from nvproxy.proxy.client import ClientSide
-from nvproxy.proxy.cork import CORK, Turn, cover, hold, release, send_now, uncover
+from nvproxy.proxy.cork import (
+    CORK,
+    GATHER_AT,
+    Turn,
+    cover,
+    hold,
+    release,
+    send_gathered,
+    send_now,
+    uncover,
+)
 from nvproxy.proxy.listener import DemuxFactory
 from nvproxy.proxy.requestid import assign, request_id
 from nvproxy.proxy.site import (
@@ -738,6 +749,100 @@ class SendNowTests(TestCase):
         self.assertFalse(send_now(StringTransport(), b"x"))
 
 
+class _Socket:
+    """A connection's socket whose C{sendmsg} takes what C{take} says (a
+    count, or an error to raise), recording the pieces it was handed."""
+
+    def __init__(self, real: Any, take: int | OSError | None) -> None:
+        self._real = real
+        self._take = take
+        self.handed: list[list[bytes]] = []
+
+    def sendmsg(self, pieces: list[bytes]) -> int:
+        self.handed.append(list(pieces))
+        if isinstance(self._take, OSError):
+            raise self._take
+        if self._take is None:
+            sent: int = self._real.sendmsg(pieces)
+            return sent
+        return self._take
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class SendGatheredTests(TestCase):
+    """
+    L{send_gathered}: pieces that come to L{GATHER_AT} bytes or more go to
+    a plain TCP connection's socket as they are, in one call, when nothing
+    is queued; what the socket does not take is queued in order.
+    """
+
+    connection = SendNowTests.connection
+    pieces = [b"5000\r\n", b"x" * 0x5000, b"\r\n", b"0\r\n\r\n"]
+    whole = b"".join(pieces)
+
+    def socket(self, transport: Any, take: int | OSError | None) -> _Socket:
+        fake = _Socket(transport.socket, take)
+        real = transport.socket
+        transport.socket = fake
+
+        def put_back() -> None:
+            transport.socket = real
+
+        self.addCleanup(put_back)
+        return fake
+
+    async def test_sent_in_the_call_unjoined(self) -> None:
+        transport, reader = await self.connection()
+        socket = self.socket(transport, None)
+        self.assertTrue(send_gathered(transport, self.pieces))
+        self.assertEqual(socket.handed, [self.pieces])
+        _sent_at_once(self, transport)
+        self.assertEqual(await _received(reader, len(self.whole)), self.whole)
+
+    async def test_small_pieces_are_joined(self) -> None:
+        transport, reader = await self.connection()
+        socket = self.socket(transport, None)
+        small = [b"a" * (GATHER_AT // 2), b"b" * (GATHER_AT // 2 - 1)]
+        self.assertFalse(send_gathered(transport, small))
+        self.assertEqual(socket.handed, [])
+
+    async def test_queued_bytes_go_first(self) -> None:
+        transport, reader = await self.connection()
+        transport.write(b"first ")
+        socket = self.socket(transport, None)
+        self.assertFalse(send_gathered(transport, self.pieces))
+        self.assertEqual(socket.handed, [])
+
+    async def test_what_the_socket_does_not_take_is_queued(self) -> None:
+        """Cut inside a piece, at a piece's end, or before the first byte."""
+        for sent in (3, 7, 7 + 0x5000 + 1, 7 + 0x5000 + 2, 0):
+            transport, reader = await self.connection()
+            socket = self.socket(transport, sent)
+            self.assertTrue(send_gathered(transport, self.pieces))
+            queued = b"".join(transport._tempDataBuffer)
+            self.assertEqual(queued, self.whole[sent:], sent)
+            self.assertEqual(len(socket.handed), 1)
+
+    async def test_a_full_socket_queues_it_all(self) -> None:
+        transport, reader = await self.connection()
+        self.socket(transport, BlockingIOError(errno.EAGAIN, "full"))
+        self.assertTrue(send_gathered(transport, self.pieces))
+        self.assertEqual(b"".join(transport._tempDataBuffer), self.whole)
+        transport.socket = transport.socket._real
+        self.assertEqual(await _received(reader, len(self.whole)), self.whole)
+
+    async def test_lost_connection_takes_the_queue(self) -> None:
+        transport, reader = await self.connection()
+        self.socket(transport, BrokenPipeError(errno.EPIPE, "gone"))
+        self.assertFalse(send_gathered(transport, self.pieces))
+        self.assertEqual(transport._tempDataBuffer, [])
+
+    def test_other_transports(self) -> None:
+        self.assertFalse(send_gathered(StringTransport(), self.pieces))
+
+
 class HoldTests(TestCase):
     """
     L{hold} and L{release}: what is written to an idle connection during a
@@ -1165,6 +1270,43 @@ class CorkTests(TestCase):
         self.assertTrue(sent[0].startswith(b"HTTP/1.1 200 OK\r\n"))
         self.assertTrue(sent[0].endswith(b"\r\n\r\nhalfhalf"))
         self.assertEqual(len(sent), 1)
+
+    async def test_large_relayed_read_leaves_in_pieces(self) -> None:
+        """
+        A chunked answer's piece of L{GATHER_AT} bytes or more is held with
+        its framing beside it, not copied into it; what is held goes to the
+        socket in one call, unjoined, when it comes to L{GATHER_AT} bytes or
+        more (a smaller piece framed, and joined when the whole is small).
+        """
+        for size in (GATHER_AT, GATHER_AT - 1, 100):
+            request, sent = await self.answering()
+            transport: Any = request.channel.transport
+            socket = transport.socket = _Socket(transport.socket, None)
+            piece = b"p" * size
+
+            def read(data: bytes, request: FacadeRequest = request) -> None:
+                request.write(data)  # the head and the first piece
+                request.write(data)  # framed directly
+                request.finish()
+
+            CORK.during(read, piece)
+            transport.socket = socket._real
+            framed = b"%x\r\n%b\r\n" % (size, piece)
+            if size == 100:
+                self.assertEqual(socket.handed, [])
+                (answer,) = sent
+            else:
+                (handed,) = socket.handed
+                self.assertEqual(sent, [])
+                answer = b"".join(handed)
+                if size == GATHER_AT:
+                    self.assertEqual(handed[-3:], [piece, b"\r\n", b"0\r\n\r\n"])
+                    self.assertIs(handed[-3], piece)
+                else:
+                    self.assertEqual(handed[-2:], [framed, b"0\r\n\r\n"])
+            head, _, body = answer.partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 200 OK\r\n"))
+            self.assertEqual(body, framed + framed + b"0\r\n\r\n")
 
     async def test_other_answers_wait_for_their_end(self) -> None:
         """

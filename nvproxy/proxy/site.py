@@ -58,7 +58,7 @@ from twisted.web.server import version as server_version
 from nvproxy.jsonhttp import json_bytes
 from nvproxy.logs import Logger, batched
 from nvproxy.proxy.accesslog import AccessLine, emit
-from nvproxy.proxy.cork import CORK, send_now
+from nvproxy.proxy.cork import CORK, GATHER_AT, send_gathered, send_now
 from nvproxy.proxy.headers import CONTENT_LENGTH, CONTENT_TYPE, DATE, SERVER
 
 log = Logger()
@@ -231,7 +231,12 @@ class _GuardedChannel(HTTPChannel):
             self.send_held(held)
 
     def send_held(self, held: list[bytes]) -> None:
-        data = held[0] if len(held) == 1 else b"".join(held)
+        if len(held) == 1:
+            data = held[0]
+        elif send_gathered(self.transport, held):
+            return
+        else:
+            data = b"".join(held)
         if not send_now(self.transport, data):
             HTTPChannel.write(self, data)
 
@@ -813,11 +818,17 @@ class FacadeRequest(Request):
                 return
             self.sentLength += len(data)
             if data:
-                framed = b"%x\r\n%b\r\n" % (len(data), data)
-                if CORK.active:
+                if not CORK.active:
+                    self.channel.write(b"%x\r\n%b\r\n" % (len(data), data))
+                elif len(data) < GATHER_AT:
+                    framed = b"%x\r\n%b\r\n" % (len(data), data)
                     CORK.hold(self.channel, framed)  # type: ignore[arg-type]
                 else:
-                    self.channel.write(framed)
+                    # framed by its neighbours, not copied (send_gathered)
+                    holder: Any = self.channel
+                    CORK.hold(holder, b"%x\r\n" % len(data))
+                    CORK.hold(holder, data)
+                    CORK.hold(holder, b"\r\n")
             return
         if notes.first_byte_at is None and notes.access_to is not None:
             notes.first_byte_at = notes.access_to.reactor.seconds()
