@@ -65,6 +65,8 @@ _TRIM_AT = 1536
 _SSE_EVENT = b"\ndata:"
 _CARRY = len(_SSE_EVENT) - 1
 _DONE = b"[DONE]"
+_DONE_LINE = b"data: " + _DONE
+"""An SSE stream's last line, stripped, as engines write it: no record."""
 _REPORT_KEYS = (
     "usage",
     "timings",
@@ -469,8 +471,9 @@ def _last_report(win: _Window) -> _Report | None:
     first (an Ollama or llama.cpp report is the last record), then the rest
     of the window is searched for lines that could carry one; only those
     are decoded.  An SSE stream's usage event, before its C{[DONE]}, is
-    found by the search, which a stream without a report (an OpenAI client
-    that did not ask for usage) needs anyway.
+    found by the search.  A window with no such line at all (an OpenAI
+    client that did not ask for usage) is told by the search alone, and
+    its lines are not walked; its last line, C{[DONE]}, is not searched.
     """
     if isinstance(win.document, dict):
         return _report(win.document)
@@ -478,10 +481,13 @@ def _last_report(win: _Window) -> _Report | None:
     last = next(lines, None)
     if last is None:
         return None
-    if any(pattern.search(win.line(last)) for pattern in _MAY_REPORT):
+    line = win.line(last)
+    if line != _DONE_LINE and any(pattern.search(line) for pattern in _MAY_REPORT):
         report = _line_report(win, last)
         if report is not None:
             return report
+    if not any([win.found(pattern) for pattern in _MAY_REPORT]):
+        return None  # no line can carry one (an OpenAI stream without usage)
     if next(lines, None) is None:
         return None  # the only line was looked at
     for span in reversed(win.matching(_MAY_REPORT)):
