@@ -705,7 +705,7 @@ class FacadeRequest(Request):
 
     def __init__(self, channel: Any, *args: object, **kwargs: object) -> None:
         # twisted.web's Request.__init__ and Componentized's, less what is
-        # on the class: this sets 8 of the request's names where they set 13
+        # on the class: seven of the twelve names they set, and the notes
         # (_REQUEST_ATTRIBUTES; a test checks the two agree).  Its other
         # arguments (queued, deprecated, and parsePOSTFormSubmission) are
         # ignored: never queued, never a form.
