@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import unquote_to_bytes as unquote  # as twisted.web.server
@@ -683,6 +684,14 @@ class _Notes:
 _NO_COOKIES: Mapping[bytes, bytes] = MappingProxyType({})
 
 
+def _in_notes(name: str) -> Any:
+    """A request attribute read from and written to its L{_Notes}' C{name}."""
+    return property(
+        attrgetter(f"_notes.{name}"),
+        lambda request, value: setattr(request._notes, name, value),
+    )
+
+
 class FacadeRequest(Request):
     """
     A request whose body is bounded and never parsed as a form: a proxy
@@ -729,21 +738,10 @@ class FacadeRequest(Request):
     def _adapterCache(self, cache: dict[str, object]) -> None:
         self._notes.components = cache
 
-    @property
-    def _nvproxy_request_id(self) -> object:
-        return self._notes.request_id
-
-    @_nvproxy_request_id.setter
-    def _nvproxy_request_id(self, value: object) -> None:
-        self._notes.request_id = value
-
-    @property
-    def access(self) -> object:
-        return self._notes.access
-
-    @access.setter
-    def access(self, value: object) -> None:
-        self._notes.access = value
+    # what nvproxy.proxy.requestid and nvproxy.proxy.accesslog keep on any
+    # request, kept in a facade request's notes
+    _nvproxy_request_id = _in_notes("request_id")
+    access = _in_notes("access")
 
     def parseCookies(self) -> None:
         if self.requestHeaders.hasHeader(b"cookie"):
