@@ -496,6 +496,44 @@ class AttemptTests(_AttemptCase):
         self.assertTrue(self.client_request.aborted)
         self.assertFalse(self.client_request.finished)
 
+    def test_first_bytes_before_the_commit_is_told(self) -> None:
+        """
+        The first body bytes are written to the client before C{result}
+        fires: the dispatcher's commit bookkeeping runs after them.
+        """
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        seen: list[list[bytes]] = []
+        attempt.result.addCallback(
+            lambda _: seen.append(list(self.client_request.written))
+        )
+        r._bodyDataReceived(b"body")
+        self.assertEqual(seen, [[b"body"]])
+
+    def test_abort_in_the_first_write(self) -> None:
+        """
+        An abort while the first bytes are written (the attempt has
+        claimed the commit, the dispatcher has not heard of it) still ends
+        with both Deferreds fired: the commit, and its stream cut.
+        """
+        attempt = self.start()
+        r = response(200)
+        self.agent.pending[0].callback(r)
+        write = self.client_request.write
+
+        def aborting(data: bytes) -> None:
+            write(data)
+            attempt.abort()
+
+        self.client_request.write = aborting  # type: ignore[method-assign]
+        r._bodyDataReceived(b"body")
+        committed = self.successResultOf(attempt.result)
+        assert isinstance(committed, Committed)
+        self.assertEqual(self.successResultOf(committed.done), StreamEnd.CLIENT_GONE)
+        self.assertTrue(self.client_request.aborted)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
     def test_abort_before_headers(self) -> None:
         attempt = self.start()
         attempt.abort()
