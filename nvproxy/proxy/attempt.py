@@ -299,10 +299,10 @@ class HttpAttempt:
             self._stop_upstream()
             self._fail(FailureKind.NO_CONTENT, status)
 
-    def _commit(self, tell: bool = True) -> bool:
+    def _commit(self) -> bool:
         """
-        Claim the commit and start the client's answer; C{tell}: fire
-        C{result} now (else the caller does, L{_tell}).
+        Claim the commit and start the client's answer; the caller then
+        tells the dispatcher (L{_tell}).
         """
         if not self._claim(_State.COMMITTED):
             return False
@@ -314,16 +314,13 @@ class HttpAttempt:
         )
         release_body(self._content, self._producer)
         self._content = self._producer = None
-        if tell:
-            self._tell()
         return True
 
     def _tell(self) -> None:
-        """Fire C{result} with the commit, unless it has fired."""
-        if not self.result.called:
-            response = self._response
-            assert response is not None
-            self.result.callback(Committed(self.node_id, response.code, self._done))
+        """Fire C{result} with the commit (nothing else fires it then)."""
+        response = self._response
+        assert response is not None
+        self.result.callback(Committed(self.node_id, response.code, self._done))
 
     def _first_bytes(self, data: bytes) -> None:
         # The dispatcher hears of the commit after the first bytes are
@@ -334,7 +331,7 @@ class HttpAttempt:
         # 67 to 49-59 us.
         # Whatever happens in the write (an abort: the dispatcher has left
         # the attempt and ignores it), the result fires.
-        if not self._commit(tell=False):
+        if not self._commit():
             return
         try:
             self._relay_first(data)
@@ -395,6 +392,7 @@ class HttpAttempt:
             if clean:
                 # EOF with no body bytes is a commit (spec §5.2).
                 if self._commit():
+                    self._tell()
                     self._end(StreamEnd.COMPLETE)
             elif self._claim(_State.FAILED):
                 self._fail(FailureKind.TRANSPORT)

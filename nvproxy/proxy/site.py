@@ -598,10 +598,19 @@ def _channel_class(site: GuardedSite) -> type[_GuardedChannel]:
             "maxHeaders": limits.max_header_count + 1,
         },
     )
-    seed = object.__new__(cls)
-    for name in _CHANNEL_ATTRIBUTES:
-        object.__setattr__(seed, name, None)
+    _seed_shared_keys(cls, _CHANNEL_ATTRIBUTES)
     return cls
+
+
+def _seed_shared_keys(cls: type, names: Iterable[str]) -> None:
+    """
+    Put C{names} in C{cls}'s shared key table, in order, by setting them on
+    one throwaway instance: the table stops taking names once the class has
+    had a few instances.
+    """
+    seed: object = object.__new__(cls)
+    for name in names:
+        object.__setattr__(seed, name, None)
 
 
 class GuardedSite(Site):
@@ -969,10 +978,7 @@ are on the class (L{FacadeRequest.__init__}), nvproxy's own are one
 attribute (L{_Notes}), and the class is seeded with these names at import.
 """
 
-_seed = object.__new__(FacadeRequest)
-for _name in _REQUEST_ATTRIBUTES:
-    object.__setattr__(_seed, _name, None)
-del _seed, _name
+_seed_shared_keys(FacadeRequest, _REQUEST_ATTRIBUTES)
 
 
 def _is_whole(length: list[bytes], sent: int) -> bool:
