@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, gatherResults
@@ -562,6 +564,257 @@ class FramingTests(SynchronousTestCase):
 
     def test_malformed_request_line(self) -> None:
         self.assertEqual(self.refused(b"GARBAGE\r\n\r\n"), "malformed request head")
+
+
+class _Recorder(Resource):
+    """Answers every request with what it received, and keeps it."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        Resource.__init__(self)
+        self.seen: list[tuple[object, ...]] = []
+
+    def render(self, request: Any) -> bytes:
+        assert request.content is not None
+        body = request.content.read()
+        self.seen.append(
+            (
+                request.method,
+                request.uri,
+                request.clientproto,
+                list(request.requestHeaders.getAllRawHeaders()),
+                body,
+            )
+        )
+        return b"got " + body
+
+
+_DEFECTS = (
+    "lead",
+    "method",
+    "target",
+    "long target",
+    "version",
+    "separator",
+    "line end",
+    "value",
+    "long value",
+    "name",
+    "folded",
+    "many",
+    "length",
+    "two lengths",
+    "transfer",
+    "expect",
+    "close",
+    "cookie",
+    "next",
+)
+"""What L{_requests} may do to a well-formed request, at most twice."""
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> bytes:
+    """
+    Bytes a client may send: a well-formed request with a body, or one with
+    one or two L{_DEFECTS}, each drawn where it lands (the limits' edges
+    among them: L{LIMITS} allows a 100-byte request line, 200 bytes and
+    5 fields of headers).
+    """
+    body = draw(st.sampled_from([b"", b"hello"]))
+    method, target, version = b"POST", b"/api/chat", b"HTTP/1.1"
+    lead, blank, tail = b"", b"\r\n", b""
+    headers = [[b"Host", b": ", b"x", b"\r\n"]]
+    headers.append([b"Content-Type", b": ", b"application/json", b"\r\n"])
+    headers.append([b"Content-Length", b": ", b"%d" % len(body), b"\r\n"])
+    some = st.integers(0, 10)
+
+    def pick() -> list[bytes]:
+        field: list[bytes] = headers[draw(some) % len(headers)]
+        return field
+
+    for defect in draw(st.lists(st.sampled_from(_DEFECTS), max_size=2)):
+        if defect == "lead":
+            lead = b"\r\n"
+        elif defect == "method":
+            method = draw(st.sampled_from([b"GET", b"get", b"P@ST", b""]))
+        elif defect == "target":
+            target = draw(
+                st.sampled_from(
+                    [b"/a?x=1&y", b"*", b"http://h/p", b"/a b", b"/\x00", b""]
+                )
+            )
+        elif defect == "long target":
+            target = b"/" + b"a" * draw(st.integers(80, 90))  # the line: 13 more
+        elif defect == "version":
+            version = draw(st.sampled_from([b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 "]))
+        elif defect == "separator":
+            pick()[1] = draw(st.sampled_from([b":", b":\t", b" :", b"", b":  "]))
+        elif defect == "line end":
+            end = draw(st.sampled_from([b"\n", b"\r", b"\r\r\n"]))
+            if draw(st.booleans()):
+                blank = end
+            else:
+                pick()[3] = end
+        elif defect == "value":
+            pick()[2] = draw(
+                st.sampled_from([b"a\rb", b"a\nb", b"a\x00b", b" s \t", b"", b"\t"])
+            )
+        elif defect == "long value":
+            # the fields before: 52 bytes and up
+            pick()[2] = b"v" * draw(st.integers(130, 160))
+        elif defect == "name":
+            pick()[0] = draw(
+                st.sampled_from(
+                    [
+                        b"Bad Name",
+                        b"",
+                        b" Folded",
+                        b"\tTab",
+                        b"X\x00",
+                        b"x-a",
+                        b"content-length",
+                        b"HOST",
+                        b"Te",
+                    ]
+                )
+            )
+        elif defect == "folded":
+            headers.insert(
+                draw(some) % len(headers) + 1, [b"", b"", b" folded", b"\r\n"]
+            )
+        elif defect == "many":
+            while len(headers) < draw(st.integers(4, 7)):
+                headers.append([b"X-A", b": ", b"a", b"\r\n"])
+        elif defect == "length":
+            headers[2][2] = draw(st.sampled_from([b"0", b"3", b"-1", b"1x", b"", b"9"]))
+        elif defect == "two lengths":
+            headers.append(list(headers[2]))
+        elif defect == "transfer":
+            coding = draw(st.sampled_from([b"chunked", b"identity", b"gzip"]))
+            headers.append([b"Transfer-Encoding", b": ", coding, b"\r\n"])
+            if coding == b"chunked" and draw(st.booleans()):
+                del headers[2]
+                body = b"5\r\nhello\r\n0\r\n\r\n"
+        elif defect == "expect":
+            headers.append([b"Expect", b": ", b"100-continue", b"\r\n"])
+        elif defect == "close":
+            headers.append([b"Connection", b": ", b"close", b"\r\n"])
+        elif defect == "cookie":
+            headers.append([b"Cookie", b": ", b"a=b", b"\r\n"])
+        else:  # "next"
+            tail = draw(st.sampled_from([b"GET /next HTTP/1.1\r\n\r\n", b"GET"]))
+    line = b" ".join([method, target, version])
+    return b"".join([lead, line, b"\r\n", *map(b"".join, headers), blank, body, tail])
+
+
+class WholeHeadTests(SynchronousTestCase):
+    """
+    A head that arrives whole in one read is taken in one piece
+    (C{_whole_head}), with what twisted.web's line-at-a-time parsing and
+    the channel's per-line checks make of it.
+    """
+
+    def served(self, pieces: list[bytes]) -> tuple[bytes, bool, list[object]]:
+        recorder = _Recorder()
+        conn = _Connection(self, _facade_site(Clock(), resource=recorder))
+        for piece in pieces:
+            conn.send(piece)
+        return conn.output(), conn.closed(), list(recorder.seen)
+
+    @settings(max_examples=600)
+    @given(_requests())
+    def test_same_as_line_at_a_time(self, data: bytes) -> None:
+        """
+        The same answers, the same requests seen by the resource (method,
+        target, version, headers in order, body) and the same connection
+        state as when the head comes a byte and then the rest, which
+        twisted.web parses a line at a time; and the same for a request
+        that follows in a read of its own (whole, or a byte and the rest).
+        """
+        again = b"GET /again HTTP/1.1\r\nHost: y\r\n\r\n"
+        whole = self.served([data, again])
+        split = self.served([data[:1], data[1:], again[:1], again[1:]])
+        self.assertEqual(whole, split)
+        # the rest of a head after a read that ended with a line
+        line = data.find(b"\r\n") + 2
+        if line > 1:
+            self.assertEqual(self.served([data[:line], data[line:], again]), split)
+
+    def test_taken_in_one_piece(self) -> None:
+        """
+        No line of a whole head goes through C{lineReceived}; one split
+        over reads does, and both are served alike.
+        """
+        lines: list[bytes] = []
+        recorder = _Recorder()
+        conn = _Connection(self, _facade_site(Clock(), resource=recorder))
+        original = conn.channel.lineReceived
+
+        def line_received(line: bytes) -> None:
+            lines.append(line)
+            original(line)
+
+        conn.channel.lineReceived = line_received
+        head = b"POST /p?q=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nX-A: a \r\n"
+        conn.send(head + b"\r\nhi")
+        self.assertEqual(lines, [])
+        conn.send(head)
+        conn.send(b"\r\nhi")
+        self.assertEqual(len(lines), 5)
+        expected = (
+            b"POST",
+            b"/p?q=1",
+            b"HTTP/1.1",
+            [(b"Host", [b"x"]), (b"Content-Length", [b"2"]), (b"X-A", [b"a"])],
+            b"hi",
+        )
+        self.assertEqual(recorder.seen, [expected, expected])
+        self.assertEqual(conn.output().count(b"got hi"), 2)
+
+    def test_rest_of_a_head_is_not_a_request(self) -> None:
+        """
+        A read that completes a head begun in the read before is the rest
+        of that head, even when it looks like a whole request: here a line
+        without a colon, refused.
+        """
+        recorder = _Recorder()
+        conn = _Connection(self, _facade_site(Clock(), resource=recorder))
+        conn.send(b"POST / HTTP/1.1\r\n")
+        conn.send(b"GET /x HTTP/1.1\r\n\r\n")
+        self.assertEqual(recorder.seen, [])
+        self.assertEqual(conn.refusal()[0], 400)
+
+    def test_restarts_the_idle_timeout(self) -> None:
+        """
+        A whole head is a read like any other: the idle timeout runs from
+        it while the body is awaited.
+        """
+        clock = Clock()
+        conn = _Connection(self, _facade_site(clock))
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        clock.advance(4)  # idle_timeout is 5
+        conn.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+        clock.advance(4)
+        self.assertFalse(conn.closed())
+        conn.send(b"hi")
+        self.assertTrue(conn.output().endswith(b"got hi"))
+        clock.advance(4.9)
+        self.assertFalse(conn.closed())
+        clock.advance(0.1)
+        self.assertTrue(conn.closed())
+
+    def test_first_request_of_a_connection(self) -> None:
+        """A connection's first head is taken whole too (its deadline is
+        armed from the connection, before any byte)."""
+        lines: list[bytes] = []
+        conn = _Connection(self, _facade_site(Clock()))
+        original = conn.channel.lineReceived
+        conn.channel.lineReceived = lambda line: (lines.append(line), original(line))
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(lines, [])
+        self.assertTrue(conn.output().endswith(b"ok"))
 
 
 class ChunkSizeErrorTests(SynchronousTestCase):

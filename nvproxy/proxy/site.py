@@ -44,14 +44,18 @@ from attrs import define, frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IAddress, IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
+from twisted.protocols.basic import LineReceiver
 from twisted.python.failure import Failure
 from twisted.web.http import (
     HTTPChannel,
     _ChunkedTransferDecoder,
+    _IdentityTransferDecoder,
     _MalformedChunkedDataError,
+    _parseRequestLine,
     datetimeToString,
 )
-from twisted.web.http_headers import Headers
+from twisted.web.http_headers import Headers, InvalidHeaderName, _nameEncoder
+from twisted.web.iweb import INonQueuedRequestFactory
 from twisted.web.resource import IResource, _IEncodingResource
 from twisted.web.server import Request, Site
 from twisted.web.server import version as server_version
@@ -298,10 +302,112 @@ class _GuardedChannel(HTTPChannel):
         if self._refused:
             return
         if data and self.line_mode and not self._handlingRequest:
-            self._arm_deadline()
-        HTTPChannel.dataReceived(self, data)
+            if not self._whole_head(data):
+                self._arm_deadline()
+                HTTPChannel.dataReceived(self, data)
+        else:
+            HTTPChannel.dataReceived(self, data)
         if not self._refused:
             self._check_partial_line()
+
+    def _whole_head(self, data: bytes) -> bool:
+        """
+        Take a request whose whole head is in C{data}, the read that starts
+        it, in one piece: what twisted.web's line-at-a-time parsing and
+        L{lineReceived}'s checks would make of it, for a head they would
+        accept, without a call per line.  Anything else (a head split over
+        reads, one they would refuse, a folded line, a C{Transfer-Encoding})
+        is left to them: C{False}, and nothing is changed.  (A connection
+        that is not persistent never gets here: its channel does not go
+        back to line mode after its answer.)
+        """
+        end = data.find(b"\r\n\r\n")
+        if (
+            end <= 0
+            # no request line in yet (none read, or an empty line before
+            # it; _head_bytes counts from the request line on)
+            or self._head_bytes >= 0
+            or self._buffer
+            or self._busyReceiving
+        ):
+            return False
+        head = data[:end]
+        lines = head.split(b"\r\n")
+        fields = len(lines) - 1
+        first = lines[0]
+        limits = self.site._limits
+        if (
+            # every CR and LF is a line's CRLF, and no NUL anywhere
+            head.count(b"\r") != fields
+            or head.count(b"\n") != fields
+            or head.find(b"\x00") >= 0
+            or len(first) > limits.max_request_line
+            or end - len(first) > limits.max_header_bytes
+            or fields > limits.max_header_count
+        ):
+            return False
+        try:
+            command, target, version = _parseRequestLine(first)
+        except ValueError:
+            return False
+        raw: dict[bytes, list[bytes]] = {}
+        length: int | None = None
+        encode = _nameEncoder.encode
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon:
+                return False
+            try:
+                # (a folded line's name starts with a space or tab: no token)
+                name = encode(name)
+            except InvalidHeaderName:
+                return False
+            value = value.strip(b" \t")
+            if name == b"Content-Length":
+                if length is not None or not value.isdigit():
+                    return False
+                length = int(value)
+            elif name == b"Transfer-Encoding":
+                return False
+            values = raw.get(name)
+            if values is None:
+                raw[name] = [value]
+            else:
+                values.append(value)
+        # HTTPChannel.dataReceived and lineReceived's, for these lines.
+        self.resetTimeout()
+        factory = self.requestFactory
+        if INonQueuedRequestFactory.providedBy(factory):
+            request = factory(self)
+        else:
+            request = factory(self, len(self.requests))
+        self.requests.append(request)
+        self._HTTPChannel__first_line = 0
+        self._command = command
+        self._path = target
+        self._version = version
+        request.requestHeaders._rawHeaders = raw
+        if length is not None:
+            self.length = length
+            self._transferDecoder = _IdentityTransferDecoder(
+                length, request.handleContentChunk, self._finishRequestBody
+            )
+        # The empty line's, inside LineReceiver's loop (as the rest of the
+        # read is, below).
+        self._buffer = data[end + 4 :]
+        self._busyReceiving = True
+        try:
+            self.allHeadersReceived()
+            if self.length == 0:
+                self.allContentReceived()  # type: ignore[no-untyped-call]
+            else:
+                self.setRawMode()  # type: ignore[no-untyped-call]
+        finally:
+            self._busyReceiving = False
+        transport: Any = self.transport
+        if self._buffer and not (transport and transport.disconnecting):
+            LineReceiver.dataReceived(self, b"")
+        return True
 
     def lineReceived(self, line: bytes) -> None:
         if self._refused:
