@@ -557,6 +557,53 @@ class LineParsingTests(SynchronousTestCase):
             for cuts in ([], [100], [17, 19_000]):
                 self._both(data, cuts)
 
+    def test_whole_heads(self) -> None:
+        """
+        Heads whole in one read, with what a line at a time makes of them:
+        a folded line with a colon of its own, a bare CR in a value and in
+        the status line, a line without a colon, an informational answer
+        before the answer, no headers at all.
+        """
+        for head in (
+            b"HTTP/1.1 200 OK\r\nX-A: a\r\n b: c\r\nContent-Length: 2\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nX-A: a\rb\r\nContent-Length: 2\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\r\nContent-Length: 2\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nno colon\r\nContent-Length: 2\r\n\r\n",
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\n\r\n",
+        ):
+            self._both(head + b"hi", [])
+
+    def test_head_in_one_piece(self) -> None:
+        """No line of a head whole in one read goes through C{lineReceived}."""
+        from twisted.internet.testing import StringTransport
+        from twisted.web._newclient import Request
+        from twisted.web.http_headers import Headers
+
+        from nvproxy.proxy.upstream import _ClientProtocol
+
+        protocol = _ClientProtocol(lambda p: None)  # type: ignore[no-untyped-call]
+        protocol.makeConnection(StringTransport())
+        d = protocol.request(Request(b"GET", b"/", Headers({b"host": [b"x"]}), None))
+        parser = protocol._parser
+        lines: list[bytes] = []
+        original = parser.lineReceived
+        parser.lineReceived = lambda line: (lines.append(line), original(line))[1]
+        protocol.dataReceived(
+            b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nContent-Length: 2\r\n\r\nhi"
+        )
+        self.assertEqual(lines, [])
+        response = self.successResultOf(d)
+        self.assertEqual(
+            (
+                response.code,
+                response.headers.getRawHeaders(b"content-type"),
+                response.length,
+            ),
+            (200, [b"a/b"], 2),
+        )
+
     def test_body_in_one_piece(self) -> None:
         """
         A whole answer in one read reaches the body decoder in one piece,

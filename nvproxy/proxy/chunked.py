@@ -25,7 +25,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.web import _newclient
-from twisted.web._newclient import HTTPClientParser
+from twisted.web._newclient import STATUS, HTTPClientParser
 from twisted.web.http import (
     _ChunkedTransferDecoder,
     _chunkExtChars,
@@ -328,6 +328,18 @@ class _CoalescingParser(HTTPClientParser):
         self._busyReceiving = True
         transport: Any = self.transport
         try:
+            head = self._whole_head(buf) if self.state == STATUS else None
+            if head is not None:
+                status, headers, pos = head
+                self.statusReceived(status)  # type: ignore[no-untyped-call]
+                for name, value in headers:
+                    self.headerReceived(name, value)  # type: ignore[no-untyped-call]
+                # the empty line, and the way out after it, as below
+                self._buffer, buf, pos = buf[pos:] + self._buffer, b"", 0
+                self.allHeadersReceived()
+                buf, self._buffer = self._buffer, b""
+                if transport and transport.disconnecting:
+                    return
             while self.line_mode and not self.paused:
                 end = buf.find(b"\n", pos)
                 if end < 0:
@@ -360,6 +372,33 @@ class _CoalescingParser(HTTPClientParser):
         if self._buffer and not (self.line_mode or self.paused):
             # the body, in raw mode: Twisted's loop hands it on uncopied
             super().dataReceived(b"")  # type: ignore[no-untyped-call]
+
+    def _whole_head(
+        self, buf: bytes
+    ) -> tuple[bytes, list[tuple[bytes, bytes]], int] | None:
+        """
+        A response head whole in C{buf}, each of its lines ended by a CRLF,
+        none folded and each header with its colon: its status line, its
+        headers as Twisted's C{lineReceived} hands them on (name, stripped
+        value), and where its empty line ends.  C{None} for any other,
+        which goes a line at a time.
+        """
+        end = buf.find(b"\r\n\r\n")
+        if end <= 0 or end > self.MAX_LENGTH:
+            return None
+        head = buf[:end]
+        lines = head.split(b"\r\n")
+        # (a bare CR stays in its line, as in Twisted's, which splits at LF
+        # and takes one CR off a line's end)
+        if head.count(b"\n") != len(lines) - 1:
+            return None
+        headers = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or line[0] in b" \t":
+                return None
+            headers.append((name, value.strip()))
+        return lines[0], headers, end + 4
 
     def allHeadersReceived(self) -> None:
         # Twisted pauses the transport here until the response's body has a
