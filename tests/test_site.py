@@ -786,6 +786,36 @@ class WholeHeadTests(SynchronousTestCase):
         self.assertEqual(recorder.seen, [])
         self.assertEqual(conn.refusal()[0], 400)
 
+    def test_no_form_parsed(self) -> None:
+        """
+        A form body reaches the resource as it came, and only the query
+        becomes arguments; the headers keep the client's order.
+        """
+        seen: list[tuple[object, ...]] = []
+
+        class Args(_Recorder):
+            def render(self, request: Any) -> bytes:
+                seen.append((request.args, request.path))
+                return _Recorder.render(self, request)
+
+        recorder = Args()
+        conn = _Connection(self, _facade_site(Clock(), resource=recorder))
+        conn.send(
+            b"POST /f?x=1&x=2&y= HTTP/1.1\r\n"
+            b"Content-Type: application/x-www-form-urlencoded\r\n"
+            b"Content-Length: 7\r\nHost: h\r\n\r\na=b&c=d"
+        )
+        self.assertEqual(seen, [({b"x": [b"1", b"2"], b"y": [b""]}, b"/f")])
+        self.assertEqual(
+            recorder.seen[0][3],
+            [
+                (b"Content-Type", [b"application/x-www-form-urlencoded"]),
+                (b"Content-Length", [b"7"]),
+                (b"Host", [b"h"]),
+            ],
+        )
+        self.assertEqual(recorder.seen[0][4], b"a=b&c=d")
+
     def test_restarts_the_idle_timeout(self) -> None:
         """
         A whole head is a read like any other: the idle timeout runs from

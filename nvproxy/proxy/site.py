@@ -53,6 +53,7 @@ from twisted.web.http import (
     _MalformedChunkedDataError,
     _parseRequestLine,
     datetimeToString,
+    parse_qs,
 )
 from twisted.web.http_headers import Headers, InvalidHeaderName, _nameEncoder
 from twisted.web.iweb import INonQueuedRequestFactory
@@ -64,7 +65,7 @@ from nvproxy.jsonhttp import json_bytes
 from nvproxy.logs import Logger, batched
 from nvproxy.proxy.accesslog import AccessLine, emit
 from nvproxy.proxy.cork import CORK, GATHER_AT, send_gathered, send_now
-from nvproxy.proxy.headers import CONTENT_LENGTH, CONTENT_TYPE, DATE, SERVER
+from nvproxy.proxy.headers import CONTENT_LENGTH, DATE, SERVER
 
 log = Logger()
 
@@ -769,8 +770,6 @@ class _Notes:
 
     @ivar received: the body's bytes so far.
     @ivar rejected: the body was refused as too large.
-    @ivar hidden_type: the C{Content-Type} values hidden from twisted.web's
-        form parser until L{FacadeRequest.process}.
     @ivar access_to: the site whose access log the request goes to.
     @ivar received_at: when the head was in (with C{access_to}).
     @ivar first_byte_at: when the answer's first byte was written.
@@ -784,7 +783,6 @@ class _Notes:
 
     received: int = 0
     rejected: bool = False
-    hidden_type: list[bytes] | None = None
     access_to: FacadeSite | None = None
     received_at: float | None = None
     first_byte_at: float | None = None
@@ -818,9 +816,9 @@ class FacadeRequest(Request):
     # proxy relays the upstream's headers as they are.
     defaultContentType = None
     # What twisted.web's Request.__init__ sets on every request, where it
-    # is the same for all (see __init__): never queued, never a form (the
-    # hidden content type keeps releases of twisted.web without the switch
-    # from parsing one), no cookies until there are some.
+    # is the same for all (see __init__): never queued, never a form
+    # (requestReceived parses none either way), no cookies until there are
+    # some.
     queued = False
     _parsePOSTFormSubmission = False
     # (read-only: parseCookies and addCookie make a request's own first)
@@ -901,18 +899,28 @@ class FacadeRequest(Request):
         transport.loseConnection()
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        # twisted.web's Request.requestReceived, without its form parsing:
+        # a proxy forwards a form as it came, and twisted.web would read a
+        # multipart upload whole into memory.
         notes = self._notes
         if notes.rejected:
             return
-        # Hide the content type from twisted.web's form parser for the length
-        # of the call; process() (called at its end) restores it.
-        notes.hidden_type = self.requestHeaders._rawHeaders.pop(CONTENT_TYPE, None)
         site = _site(self)
         if site.access_log:
             # The channel is gone by the end: keep its site.
             notes.access_to = site
             notes.received_at = site.reactor.seconds()
-        Request.requestReceived(self, command, origin_form(path), version)
+        content = self.content
+        assert content is not None  # (gotLength made it)
+        content.seek(0, 0)
+        self.args = {}
+        self.method = command
+        self.uri = uri = origin_form(path)
+        self.clientproto = version
+        self.path, query, arguments = uri.partition(b"?")
+        if query:
+            self.args = parse_qs(arguments, 1)
+        self.process()
 
     def write(self, data: bytes) -> None:
         # Once the head is written and the body is chunked as it is, on a
@@ -1005,9 +1013,6 @@ class FacadeRequest(Request):
         )
 
     def process(self) -> None:
-        hidden = self._notes.hidden_type
-        if hidden:
-            self.requestHeaders._rawHeaders[CONTENT_TYPE] = hidden
         # Twisted's Request.process, but the Date header comes from the
         # site's clock and is formatted once a second, not from the wall
         # clock on every request (time.gmtime and string formatting).
