@@ -27,7 +27,8 @@ dialect on a facade, C{{"error": "..."}} on the admin listener):
 The header deadline starts when the channel is connected (for a facade: at
 the connection's first byte, which is when the first-byte demux hands it
 over; on the admin listener: at accept) and, for each later request on a
-keep-alive connection, at the first byte the channel reads of it.
+keep-alive connection, at the first byte the channel reads of it.  A head
+that is whole in the read that starts it has no deadline to meet.
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ class _GuardedChannel(HTTPChannel):
     count), L{_AWAITING_LINE} from a request's first byte to its request
     line, then the header bytes so far.  Once a head is in, the timer is
     left scheduled, not cancelled, and the next request's first byte moves
-    it (a reset costs the reactor a tenth of a new timer and a cancel).
+    it (a reset costs the reactor a tenth of a new timer and a cancel),
+    unless that byte's read holds the whole head (L{_whole_head}).
     One attribute for three states: see L{_CHANNEL_ATTRIBUTES}."""
     _head_fields = 0
     _deadline: IDelayedCall | None = None
