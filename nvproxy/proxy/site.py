@@ -324,15 +324,14 @@ class _GuardedChannel(HTTPChannel):
         that is not persistent never gets here: its channel does not go
         back to line mode after its answer.)
         """
-        end = data.find(b"\r\n\r\n")
         if (
-            end <= 0
-            # no request line in yet (none read, or an empty line before
-            # it; _head_bytes counts from the request line on)
-            or self._head_bytes >= 0
-            or self._buffer
-            or self._busyReceiving
+            # a request line in already (_head_bytes counts from it on; an
+            # empty line before it leaves it negative) or part of one
+            self._head_bytes >= 0 or self._buffer or self._busyReceiving
         ):
+            return False
+        end = data.find(b"\r\n\r\n")
+        if end <= 0:
             return False
         head = data[:end]
         lines = head.split(b"\r\n")
