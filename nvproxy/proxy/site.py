@@ -918,9 +918,9 @@ class FacadeRequest(Request):
         self.method = command
         self.uri = uri = origin_form(path)
         self.clientproto = version
-        self.path, query, arguments = uri.partition(b"?")
-        if query:
-            self.args = parse_qs(arguments, 1)
+        self.path, mark, query = uri.partition(b"?")
+        if mark:
+            self.args = parse_qs(query, 1)
         self.process()
 
     def write(self, data: bytes) -> None:
